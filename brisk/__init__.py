@@ -1,0 +1,8 @@
+"""brisk: an efficient LLM inference engine and server."""
+
+from brisk.config import EngineConfig
+from brisk.engine.output import CompletionOutput, RequestOutput
+from brisk.llm import LLM
+from brisk.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,147 @@
+"""LLMEngine: requests in, outputs out, one `step()` at a time.
+
+A step is: schedule (which tokens to compute), execute (one model forward + sampling),
+update (append tokens, finish, free blocks, detokenize). Everything else hangs off those three.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+
+import torch
+
+from brisk.config import ConfigError, EngineConfig
+from brisk.engine.kv_cache import KVCacheManager
+from brisk.engine.output import OutputProcessor, RequestOutput
+from brisk.engine.request import Request, RequestStatus
+from brisk.engine.runner import ModelRunner
+from brisk.engine.scheduler import Scheduler
+from brisk.model.loader import load_model, open_checkpoint
+from brisk.sampling_params import SamplingError, SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.checkpoint = open_checkpoint(config.model)
+        self.spec = self.checkpoint.spec
+        self.tokenizer = self.checkpoint.tokenizer
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        num_blocks = self._num_kv_blocks()
+        self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        else:
+            bytes_per_block = self.spec.kv_bytes_per_token * c.block_size * self.dtype.itemsize
+            num_blocks = int(c.kv_cache_memory_gib * 2**30 // bytes_per_block)
+        if num_blocks * c.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * c.block_size} tokens, fewer than max_model_len="
+                f"{self.max_model_len}: raise kv_cache_memory_gib / num_kv_blocks or lower max_model_len")
+        if not c.enable_chunked_prefill and c.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off, or a long prompt could never run")
+        return num_blocks
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+        """Queues a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its id."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                prompt_token_ids=token_ids,
+                params=self._child_params(params, i),
+                eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                max_model_len=self.max_model_len,
+                arrival_time=arrival,
+                cache_salt=cache_salt,
+            )
+            for i in range(params.n)
+        ]
+        for child in children:
+            if child.params.seed is not None:
+                child.generator = torch.Generator(device=self.device).manual_seed(child.params.seed)
+        self.output_processor.add(request_id, text, children)
+        for child in children:
+            self.scheduler.add(child)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise SamplingError("prompt", "is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise SamplingError("prompt", f"has {len(token_ids)} tokens; the model's context is "
+                                          f"{self.max_model_len}, leaving no room to generate")
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise SamplingError("prompt_token_ids", f"{bad[:5]} are outside the vocabulary of {self.spec.vocab_size}")
+        params.validate_for_model(self.spec.vocab_size)
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        """Each of n completions is its own sequence: distinct seeds, prompt logprobs only once."""
+        if params.n == 1:
+            return params
+        seed = None if params.seed is None else params.seed + index
+        return replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+
+    def abort_request(self, request_id: str) -> None:
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        return self._update(sched, result)
+
+    def _update(self, sched, result) -> list[RequestOutput]:
+        now = time.monotonic()
+        for chunk in sched.chunks:
+            if chunk.request.times.first_scheduled is None:
+                chunk.request.times.first_scheduled = now
+        for child_id, chunk_logprobs in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(child_id, chunk_logprobs)
+        progressed = self.scheduler.update(sched, result.sampled)
+        for request in progressed:
+            request.times.first_token = request.times.first_token or now
+            request.times.last_token = now
+        outputs, stopped = self.output_processor.process(progressed, result.logprobs, now)
+        for child_id in stopped:
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
+        return outputs

@@ -1,0 +1,108 @@
+"""Request: one sequence's state as it moves waiting -> running -> finished.
+
+There is no prefill or decode phase. A request has `token_ids` (prompt, then generated tokens)
+and `num_computed_tokens` (how many of them already have K/V in the cache); every step the
+scheduler gives it some of the difference. A fresh prompt, a chunk of one, a prefix-cache hit,
+a decode and a recompute after preemption are all the same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from brisk.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 2**31
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first scheduling
+    num_preemptions: int = 0
+    cache_salt: str | None = None  # isolates prefix-cache entries (e.g. per tenant)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most tokens this request may generate."""
+        limit = self.max_model_len
+        if self.params.max_tokens is not None:
+            limit = min(limit, self.num_prompt_tokens + self.params.max_tokens)
+        return limit
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self._check_stop(token_id)
+
+    def _check_stop(self, token_id: int) -> None:
+        """Stop conditions that need only token ids; stop strings are checked after detokenizing.
+
+        EOS and stop ids do not count before min_tokens are out (the sampler also masks them).
+        """
+        if self.num_output_tokens >= self.params.min_tokens:
+            if not self.params.ignore_eos and token_id in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token_id in self.params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = token_id
+                return
+        if self.num_tokens >= self.max_total_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

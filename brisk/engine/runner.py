@@ -1,0 +1,179 @@
+"""Model runner: a SchedulerOutput in, one model forward, sampled tokens out.
+
+It owns the KV cache tensors and builds, once per step, everything the layers share: the flat
+token batch, positions, the slot of each token in the block pool, padded block tables for the
+decodes and masks for prefill chunks that continue an earlier context. Logits are computed
+only for rows that are sampled (and for prompt positions whose logprobs were asked for):
+the vocabulary projection is 20% of the model's FLOPs per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from brisk.engine.kv_cache import KVCacheManager
+from brisk.engine.output import Logprob, TokenLogprobs
+from brisk.engine.request import Request
+from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
+from brisk.model.attention import AttentionMetadata, PrefillSpan
+from brisk.model.llama import LlamaForCausalLM
+from brisk.sample.sampler import Sampler, SamplerOutput, SamplingBatch
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class _PromptLogprobRows:
+    request: Request
+    rows: slice  # rows of the hidden states whose next token is a prompt token
+    targets: list[int]  # those prompt tokens
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor
+    sample_requests: list[Request]
+    prompt_logprob_rows: list[_PromptLogprobRows]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, dtype: torch.dtype, device: torch.device,
+                 seed: int):
+        spec = model.spec
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.vocab_size = spec.vocab_size
+        shape = (2, kv.num_blocks, spec.num_kv_heads, kv.block_size, spec.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.sampler = Sampler(seed, device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        batch = self._prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        out = RunnerOutput()
+        if batch.sample_requests:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            sampled = self.sampler(logits, SamplingBatch.from_requests(batch.sample_requests, self.vocab_size,
+                                                                       self.device))
+            self._collect_samples(batch.sample_requests, sampled, out)
+        for rows in batch.prompt_logprob_rows:
+            out.prompt_logprobs[rows.request.request_id] = self._prompt_logprobs(hidden[rows.rows], rows)
+        return out
+
+    def _prepare(self, sched: SchedulerOutput) -> _Batch:
+        decodes = [c for c in sched.chunks if c.num_new_tokens == 1]
+        prefills = [c for c in sched.chunks if c.num_new_tokens > 1]
+        ids, positions, blocks = [], [], []
+        for chunk in decodes + prefills:
+            r, start = chunk.request, chunk.request.num_computed_tokens
+            table = self.kv.block_ids(r.request_id)
+            span = range(start, start + chunk.num_new_tokens)
+            ids.extend(r.token_ids[start:start + chunk.num_new_tokens])
+            positions.extend(span)
+            blocks.extend(table[p // self.block_size] for p in span)
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        attn = AttentionMetadata(
+            slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
+            slot_offsets=(positions_t % self.block_size).to(self.device),
+            num_decodes=len(decodes),
+        )
+        if decodes:
+            attn.decode_block_tables, attn.decode_bias = self._decode_tables(decodes)
+        sample_rows, sample_requests, prompt_rows = [], [], []
+        row = 0
+        for chunk in decodes + prefills:
+            r, n = chunk.request, chunk.num_new_tokens
+            if n > 1:
+                attn.prefills.append(self._prefill_span(chunk, row))
+            if chunk.completes_sequence:
+                sample_rows.append(row + n - 1)
+                sample_requests.append(r)
+            if r.params.prompt_logprobs is not None:
+                prompt_rows.extend(self._prompt_logprob_rows(chunk, row))
+            row += n
+        return _Batch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=positions_t.to(self.device),
+            attn=attn,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_requests=sample_requests,
+            prompt_logprob_rows=prompt_rows,
+        )
+
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = [self.kv.block_ids(c.request.request_id) for c in decodes]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        context_lens = torch.tensor([c.request.num_computed_tokens + 1 for c in decodes])
+        key_positions = torch.arange(width * self.block_size)
+        bias = torch.zeros(len(decodes), width * self.block_size)
+        bias.masked_fill_(key_positions.unsqueeze(0) >= context_lens.unsqueeze(1), float("-inf"))
+        return padded.to(self.device), bias.view(len(decodes), 1, 1, -1).to(self.device)
+
+    def _prefill_span(self, chunk: ScheduledChunk, row: int) -> PrefillSpan:
+        start, n = chunk.request.num_computed_tokens, chunk.num_new_tokens
+        context_len = start + n
+        num_blocks = -(-context_len // self.block_size)
+        table = torch.tensor(self.kv.block_ids(chunk.request.request_id)[:num_blocks], device=self.device)
+        mask = None
+        if start > 0:  # earlier context sits in the cache: query i sees keys up to start + i
+            query_positions = torch.arange(start, context_len, device=self.device)
+            mask = torch.arange(context_len, device=self.device).unsqueeze(0) <= query_positions.unsqueeze(1)
+        return PrefillSpan(row, row + n, context_len, table, mask)
+
+    @staticmethod
+    def _prompt_logprob_rows(chunk: ScheduledChunk, row: int) -> list[_PromptLogprobRows]:
+        r, start = chunk.request, chunk.request.num_computed_tokens
+        count = min(start + chunk.num_new_tokens, r.num_prompt_tokens - 1) - start
+        if count <= 0:
+            return []
+        return [_PromptLogprobRows(r, slice(row, row + count), r.token_ids[start + 1:start + 1 + count])]
+
+    def _collect_samples(self, requests: list[Request], sampled: SamplerOutput, out: RunnerOutput) -> None:
+        tokens = sampled.token_ids.tolist()
+        want = [r.params.logprobs is not None for r in requests]
+        if any(want):
+            chosen = sampled.sampled_logprobs.tolist()
+            ranks = sampled.sampled_ranks.tolist()
+            top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+            top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        for i, request in enumerate(requests):
+            out.sampled[request.request_id] = tokens[i]
+            if want[i]:
+                k = request.params.logprobs
+                out.logprobs[request.request_id] = _token_logprobs(
+                    tokens[i], chosen[i], ranks[i], top_ids[i][:k] if k else [], top_lps[i][:k] if k else [])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: _PromptLogprobRows) -> list[TokenLogprobs]:
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        targets = torch.tensor(rows.targets, device=logprobs.device).unsqueeze(1)
+        chosen = logprobs.gather(1, targets)
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        k = rows.request.params.prompt_logprobs
+        top_lps, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        chosen = chosen.squeeze(1).tolist()
+        return [
+            _token_logprobs(t, chosen[i], ranks[i], top_ids[i].tolist() if k else [], top_lps[i].tolist() if k else [])
+            for i, t in enumerate(rows.targets)
+        ]
+
+
+def _token_logprobs(token: int, logprob: float, rank: int, top_ids: list[int], top_lps: list[float]) -> TokenLogprobs:
+    """The chosen token first, then the top-k alternatives (vLLM's layout)."""
+    entry = {token: Logprob(logprob, rank)}
+    for j, (tid, lp) in enumerate(zip(top_ids, top_lps)):
+        entry.setdefault(tid, Logprob(lp, j + 1))
+    return entry

@@ -1,0 +1,91 @@
+"""Tokenizer: `tokenizers` for the text, jinja2 for chat templates, DecodeStream for streaming.
+
+Chat templates are rendered the way transformers renders them (same jinja environment, filters
+and globals), so a prompt built here tokenizes to the ids the model was trained to see.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
+
+Message = dict[str, Any]
+
+
+class Tokenizer:
+    def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None, eos_token_ids: list[int] | None = None):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
+        self.eos_token_ids = list(eos_token_ids or [])
+        if not self.eos_token_ids and "eos_token" in self.special_tokens:
+            eos = backend.token_to_id(self.special_tokens["eos_token"])
+            self.eos_token_ids = [] if eos is None else [eos]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        return self._compiled_template.render(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens,
+        )
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """The template writes any BOS itself, so no special tokens are added on top (as in HF)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self.backend, skip_special_tokens)
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+
+class IncrementalDetokenizer:
+    """Text of one growing token sequence; never emits half a UTF-8 character."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool):
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
