@@ -64,8 +64,8 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         """Queues a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its id."""
         request_id = request_id if request_id is not None else str(next(self._ids))
-        text, token_ids = self._tokenize(prompt)
-        self._validate(token_ids, params)
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = [
             Request(
@@ -87,7 +87,7 @@ class LLMEngine:
             self.scheduler.add(child)
         return request_id
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -96,7 +96,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise SamplingError("prompt", "is empty")
         if len(token_ids) >= self.max_model_len:

@@ -1,0 +1,1 @@
+"""Benchmarks: brisk measured side by side with a baseline in the same process."""

@@ -1,0 +1,136 @@
+"""The `brisk` command: generate, chat, bench.
+
+Engine flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-
+caching`, ...), so every command accepts the same options with the same names as `LLM(...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from dataclasses import MISSING
+
+from brisk.config import ConfigError, EngineConfig
+from brisk.engine.engine import LLMEngine
+from brisk.sampling_params import OutputKind, SamplingError, SamplingParams
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in EngineConfig.knobs():
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        default = f.default if f.default is not MISSING else None
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+        else:
+            group.add_argument(flag, type=kind, default=default, help=f.metadata["help"])
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in EngineConfig.knobs()})
+
+
+def _base_type(hint) -> type:
+    """`int | None` -> int."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.7)
+    group.add_argument("--top-p", type=float, default=0.9)
+    group.add_argument("--top-k", type=int, default=0)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, output_kind=OutputKind.DELTA)
+
+
+def _stream(engine: LLMEngine, prompt, params: SamplingParams) -> str:
+    """Runs one request, printing text as it arrives; returns the whole completion."""
+    request_id = engine.add_request(prompt, params)
+    pieces = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                for completion in output.outputs:
+                    pieces.append(completion.text)
+                    print(completion.text, end="", flush=True)
+    print()
+    return "".join(pieces)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if not args.raw:
+        prompt = {"prompt_token_ids": engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])}
+    _stream(engine, prompt, _sampling_params(args))
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    engine = LLMEngine(engine_config_from_args(args))
+    params = _sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("brisk chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        # Earlier turns are already in the KV cache: the prefix cache makes each turn cost only its new tokens.
+        reply = _stream(engine, {"prompt_token_ids": engine.tokenizer.encode_chat(history)}, params)
+        history.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="brisk", description="Fast LLM inference: generate, chat, benchmark.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt, streaming to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _add_sampling_arguments(gen)
+    add_engine_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming replies")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_arguments(chat)
+    add_engine_arguments(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    from brisk.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, SamplingError) as exc:
+        print(f"brisk: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

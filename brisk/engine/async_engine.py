@@ -1,0 +1,129 @@
+"""AsyncEngine: the step loop on a background thread, outputs streamed to asyncio callers.
+
+The engine is single-threaded by design: only the loop thread touches it. Callers post
+commands (add, abort) to an inbox and receive outputs through per-request asyncio queues fed
+with `loop.call_soon_threadsafe`, so the event loop never waits on a model step (torch releases
+the GIL inside its ops, leaving the event loop free to serve HTTP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from brisk.config import EngineConfig
+from brisk.engine.engine import LLMEngine, Prompt
+from brisk.engine.output import RequestOutput
+from brisk.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped (it crashed or was shut down); no request can make progress."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="brisk-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they are produced; leaving early aborts it.
+
+        Validation errors (e.g. a prompt longer than the context) are raised before anything
+        is queued, so a caller can answer them without the engine ever seeing the request.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running") from self.error
+        text, token_ids = self.engine.tokenize(prompt)
+        self.engine.validate(token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._post(("add", {"prompt": text, "prompt_token_ids": token_ids}, params, request_id, cache_salt))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self.last_step_time = time.monotonic()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                for output in self.engine.step():
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.put(output)
+                self.last_step_time = time.monotonic()
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller, then re-raised
+            self.error = exc
+            raise
+        finally:
+            dead = EngineDeadError("the engine loop stopped" if self.error is None else f"the engine failed: {self.error!r}")
+            for stream in list(self._streams.values()):
+                stream.put(dead)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "abort":
+                self.engine.abort_request(command[1])
+                continue
+            _, prompt, params, request_id, cache_salt = command
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(exc)

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random checkpoints of each architecture, the real default model, and
+the transformers reference on the same weights. Heavy fixtures are session-scoped: the real
+model and its reference load once per run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from brisk import LLM
+from brisk.model.loader import default_model_path
+
+TINY_VOCAB = 96
+
+# Small enough to build in milliseconds, large init so logits are peaked (no near-ties in greedy).
+_TINY_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    initializer_range=0.15, rms_norm_eps=1e-6)
+
+TINY_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama3-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
+}
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<s>' + m['role'] + ' ' + m['content'] + '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant' }}{% endif %}"
+)
+
+
+def _write_tiny_tokenizer(folder: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                   "chat_template": TINY_CHAT_TEMPLATE}, f)
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
+def tiny_model_dir(request, tmp_path_factory) -> str:
+    """A random checkpoint saved by transformers, as any HF folder on disk would be."""
+    import transformers
+
+    config_cls, model_cls, extra = TINY_ARCHITECTURES[request.param]
+    config = getattr(transformers, config_cls)(**_TINY_COMMON, **extra, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    folder = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(folder, safe_serialization=True)
+    _write_tiny_tokenizer(folder)
+    return folder
+
+
+def load_hf_reference(path: str):
+    from brisk.bench.hf_baseline import load_hf_model
+
+    return load_hf_model(path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def real_llm(real_model_path) -> LLM:
+    """The default model in fp32, loaded once; tests must leave no request behind."""
+    return LLM(real_model_path, dtype="float32", kv_cache_memory_gib=0.5, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def real_hf_model(real_model_path):
+    return load_hf_reference(real_model_path)
+
+
+@pytest.fixture(scope="session")
+def real_hf_tokenizer(real_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(real_model_path),
+                                         gguf_file=os.path.basename(real_model_path))
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of exactly max_new_tokens tokens (EOS not stopping)."""
+    from brisk.bench.hf_baseline import hf_generate
+
+    outputs, _ = hf_generate(hf_model, [prompt_ids], max_new_tokens, pad_token_id=0)
+    return outputs[0]
+
+
+def assert_no_leaks(engine) -> None:
+    """Every block back in the pool and no request left anywhere."""
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert all(b.ref_count == 0 for b in engine.kv.blocks)
+    assert not engine.scheduler.running and not engine.scheduler.waiting

@@ -1,0 +1,137 @@
+"""KV block manager: exact block ids, reference counts, prefix hits and eviction order."""
+
+from __future__ import annotations
+
+from brisk.engine.kv_cache import KVCacheManager
+from brisk.engine.request import Request
+from brisk.sampling_params import SamplingParams
+
+
+def _request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8), cache_salt=salt)
+
+
+def _compute(kv: KVCacheManager, request: Request, n: int) -> None:
+    """What the engine does after a step computed n tokens."""
+    request.num_computed_tokens += n
+    kv.cache_full_blocks(request)
+
+
+def test_allocates_blocks_in_order_and_frees_them_all():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _request("a", list(range(10)))
+    assert kv.allocate(a, 10)
+    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.num_free_blocks == 5
+    _compute(kv, a, 10)
+    assert kv.allocate(a, 1) and kv.allocate(a, 1) and kv.block_ids("a") == [0, 1, 2]  # 11, 12: same block
+    a.token_ids += [10, 11]
+    _compute(kv, a, 2)
+    assert kv.allocate(a, 1) and kv.block_ids("a") == [0, 1, 2, 3]  # token 13 opens a block
+    kv.free(a)
+    assert kv.num_free_blocks == 8 and all(b.ref_count == 0 for b in kv.blocks)
+
+
+def test_refuses_without_side_effects_when_the_pool_is_short():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    assert kv.allocate(_request("a", list(range(8))), 8)
+    b = _request("b", list(range(100, 109)))
+    assert not kv.allocate(b, 9)  # needs 3 blocks, 1 free
+    assert kv.num_free_blocks == 1 and kv.block_ids("b") == []
+
+
+def test_prefix_hit_shares_full_blocks_and_counts_references():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _request("a", list(range(10)))
+    kv.allocate(a, 10)
+    _compute(kv, a, 10)
+    assert kv.num_cached_blocks == 2  # only full blocks are cached
+
+    b = _request("b", list(range(8)) + [50, 51, 52])
+    hit = kv.find_cached_prefix(b)
+    assert [blk.block_id for blk in hit] == [0, 1]
+    assert kv.allocate(b, 3, hit)
+    assert kv.block_ids("b") == [0, 1, 3]
+    assert [kv.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert (kv.stats.queries, kv.stats.hits) == (10 + 11, 8)
+
+    kv.free(a)
+    assert [kv.blocks[i].ref_count for i in (0, 1, 2)] == [1, 1, 0]
+    kv.free(b)
+    assert kv.num_free_blocks == 8 and kv.num_cached_blocks == 2  # content survives the free
+
+
+def test_last_token_is_never_served_from_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _request("a", list(range(8)))
+    kv.allocate(a, 8)
+    _compute(kv, a, 8)
+    same = _request("same", list(range(8)))
+    assert [b.block_id for b in kv.find_cached_prefix(same)] == [0]  # block 1 holds the last token
+
+
+def test_hash_match_with_different_tokens_is_a_miss():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _request("a", list(range(9)))
+    kv.allocate(a, 9)
+    _compute(kv, a, 9)
+    kv.blocks[0].token_ids = (9, 9, 9, 9)  # as if another prompt had collided on the hash
+    assert kv.find_cached_prefix(_request("b", list(range(9)))) == []
+
+
+def test_cache_salt_isolates_prefixes():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _request("a", list(range(9)), salt="tenant-1")
+    kv.allocate(a, 9)
+    _compute(kv, a, 9)
+    assert kv.find_cached_prefix(_request("b", list(range(9)), salt="tenant-2")) == []
+    assert len(kv.find_cached_prefix(_request("c", list(range(9)), salt="tenant-1"))) == 2
+
+
+def test_eviction_takes_uncached_blocks_first_then_least_recently_freed():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a = _request("a", [1, 2, 3, 4])  # blocks 0, 1 -> cached
+    b = _request("b", [5, 6, 7, 8])  # blocks 2, 3 -> cached
+    for r in (a, b):
+        kv.allocate(r, 4)
+        _compute(kv, r, 4)
+    kv.free(a)
+    kv.free(b)
+    # Free queue: uncached 4, 5 at the head, then a's blocks (tail first), then b's.
+    c = _request("c", [9] * 8)
+    assert kv.allocate(c, 8)
+    assert kv.block_ids("c") == [4, 5, 1, 0]
+    assert kv.stats.evictions == 2 and kv.num_cached_blocks == 2
+    assert kv.find_cached_prefix(_request("d", [5, 6, 7, 8, 0]))[0].block_id == 2  # b survives
+
+
+def test_reviving_a_freed_cached_block_takes_it_off_the_free_queue():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    a = _request("a", [1, 2, 3])
+    kv.allocate(a, 3)
+    _compute(kv, a, 3)
+    kv.free(a)
+    b = _request("b", [1, 2, 7, 8, 9])
+    hit = kv.find_cached_prefix(b)
+    assert kv.allocate(b, 3, hit)  # 1 revived + 2 new = the whole pool
+    assert kv.block_ids("b") == [0, 1, 2] and kv.num_free_blocks == 0
+    assert kv.stats.evictions == 0
+
+
+def test_evict_unused_cached_blocks_keeps_blocks_in_use():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a, b = _request("a", [1, 2, 3]), _request("b", [4, 5, 6])
+    for r in (a, b):
+        kv.allocate(r, 3)
+        _compute(kv, r, 3)
+    kv.free(a)
+    assert kv.evict_unused_cached_blocks() == 1
+    assert kv.num_cached_blocks == 1 and kv.blocks[2].block_hash is not None  # b still holds it
+
+
+def test_prefix_caching_off_never_hits():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = _request("a", list(range(9)))
+    kv.allocate(a, 9)
+    _compute(kv, a, 9)
+    assert kv.num_cached_blocks == 0 and kv.find_cached_prefix(_request("b", list(range(9)))) == []

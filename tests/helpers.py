@@ -1,0 +1,34 @@
+"""Test helpers that drive the engine's real paged path below the scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from brisk.engine.request import Request
+from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
+from brisk.sampling_params import SamplingParams
+
+
+@torch.inference_mode()
+def brisk_logits(engine, token_ids: list[int], chunk_sizes: list[int] | None = None) -> torch.Tensor:
+    """Logits at every position, computed in the given chunks through block tables and the KV
+    cache (a chunk of 1 takes the decode path, a later chunk the masked prefill path)."""
+    chunk_sizes = chunk_sizes or [len(token_ids)]
+    assert sum(chunk_sizes) == len(token_ids)
+    request = Request("logits-probe", token_ids, SamplingParams(max_tokens=1))
+    assert engine.kv.allocate(request, len(token_ids))
+    rows = []
+    try:
+        for n in chunk_sizes:
+            batch = engine.runner._prepare(SchedulerOutput([ScheduledChunk(request, n)]))
+            hidden = engine.model(batch.input_ids, batch.positions, engine.runner.kv_caches, batch.attn)
+            rows.append(engine.model.compute_logits(hidden))
+            request.num_computed_tokens += n
+    finally:
+        engine.kv.free(request)
+    return torch.cat(rows)
+
+
+@torch.inference_mode()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
