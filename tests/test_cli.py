@@ -1,0 +1,42 @@
+"""The `brisk` command as a user runs it: a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from brisk import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+
+def _brisk(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "brisk.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_streams_the_same_text_as_the_offline_api(real_llm):
+    result = _brisk("generate", "The capital of France is", "--raw", "--temperature", "0", "--max-tokens", "12",
+                    "--max-model-len", "512", "--kv-cache-memory-gib", "0.1")
+    assert result.returncode == 0, result.stderr
+    expected = real_llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=12),
+                                 use_tqdm=False)[0].outputs[0].text
+    assert result.stdout == expected + "\n"
+
+
+def test_chat_keeps_the_conversation(real_llm):
+    result = _brisk("chat", "--temperature", "0", "--max-tokens", "16", "--max-model-len", "512",
+                    "--kv-cache-memory-gib", "0.1", stdin="What is 2+2?\nAnd times 3?\n\n")
+    assert result.returncode == 0, result.stderr
+    replies = [line for line in result.stdout.split("> ") if line.strip()]
+    assert len(replies) == 2
+    first = real_llm.chat([{"role": "user", "content": "What is 2+2?"}],
+                          SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    assert replies[0].strip() == first.strip()
+
+
+def test_bad_options_exit_with_a_clear_error():
+    result = _brisk("generate", "hi", "--dtype", "float8")
+    assert result.returncode == 2 and "dtype must be" in result.stderr
