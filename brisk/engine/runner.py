@@ -55,8 +55,11 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.vocab_size = spec.vocab_size
-        shape = (2, kv.num_blocks, spec.num_kv_heads, kv.block_size, spec.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        # Per layer (K, V); see model/attention.py for why K is stored transposed within a block.
+        k_shape = (kv.num_blocks, spec.num_kv_heads, spec.head_dim, kv.block_size)
+        v_shape = (kv.num_blocks, spec.num_kv_heads, kv.block_size, spec.head_dim)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=dtype, device=device),
+                           torch.zeros(v_shape, dtype=dtype, device=device)) for _ in range(spec.num_layers)]
         self.sampler = Sampler(seed, device)
 
     @torch.inference_mode()
@@ -91,7 +94,7 @@ class ModelRunner:
             num_decodes=len(decodes),
         )
         if decodes:
-            attn.decode_block_tables, attn.decode_bias = self._decode_tables(decodes)
+            attn.decode_block_tables, attn.decode_context_lens = self._decode_tables(decodes)
         sample_rows, sample_requests, prompt_rows = [], [], []
         row = 0
         for chunk in decodes + prefills:
@@ -114,25 +117,20 @@ class ModelRunner:
         )
 
     def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables padded to the longest (padding is never read: context_lens bound it)."""
         tables = [self.kv.block_ids(c.request.request_id) for c in decodes]
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        context_lens = torch.tensor([c.request.num_computed_tokens + 1 for c in decodes])
-        key_positions = torch.arange(width * self.block_size)
-        bias = torch.zeros(len(decodes), width * self.block_size)
-        bias.masked_fill_(key_positions.unsqueeze(0) >= context_lens.unsqueeze(1), float("-inf"))
-        return padded.to(self.device), bias.view(len(decodes), 1, 1, -1).to(self.device)
+        context_lens = torch.tensor([c.request.num_computed_tokens + 1 for c in decodes], dtype=torch.long)
+        return padded.to(self.device), context_lens.to(self.device)
 
     def _prefill_span(self, chunk: ScheduledChunk, row: int) -> PrefillSpan:
         start, n = chunk.request.num_computed_tokens, chunk.num_new_tokens
         context_len = start + n
         num_blocks = -(-context_len // self.block_size)
-        table = torch.tensor(self.kv.block_ids(chunk.request.request_id)[:num_blocks], device=self.device)
-        mask = None
-        if start > 0:  # earlier context sits in the cache: query i sees keys up to start + i
-            query_positions = torch.arange(start, context_len, device=self.device)
-            mask = torch.arange(context_len, device=self.device).unsqueeze(0) <= query_positions.unsqueeze(1)
-        return PrefillSpan(row, row + n, context_len, table, mask)
+        table = torch.tensor(self.kv.block_ids(chunk.request.request_id)[:num_blocks], dtype=torch.long,
+                             device=self.device)
+        return PrefillSpan(row, row + n, context_len, table)
 
     @staticmethod
     def _prompt_logprob_rows(chunk: ScheduledChunk, row: int) -> list[_PromptLogprobRows]:

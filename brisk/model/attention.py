@@ -1,11 +1,13 @@
 """Paged attention over a pool of fixed-size KV blocks, in plain PyTorch.
 
-Cache layout, per layer and for K and V alike::
+Cache layout, per layer::
 
-    cache[block_id, kv_head, offset_in_block, head_dim]      shape [num_blocks, H_kv, B, D]
+    k_cache[block_id, kv_head, head_dim, offset_in_block]    shape [num_blocks, H_kv, D, B]
+    v_cache[block_id, kv_head, offset_in_block, head_dim]    shape [num_blocks, H_kv, B, D]
 
-Head-major blocks let decode attention score a query against whole blocks with one batched
-matmul (no per-token gather), which measured ~2x faster on CPU than a token-major layout.
+Head-major blocks keep one head's keys of a block together, and keys are stored transposed so
+a query is scored against a block as q @ K_block with no transpose: the C decode kernel then
+vectorizes across the block's tokens, and the torch fallback needs no permute.
 
 One engine step is one flat batch of T tokens: the decode tokens first (one per sequence), then
 the prefill chunks, each a contiguous span::
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from brisk.kernels import cpu as cpu_kernels
+
 
 @dataclass
 class PrefillSpan:
@@ -29,10 +33,12 @@ class PrefillSpan:
     start: int  # first token of the chunk in the flat batch
     end: int  # one past the last
     context_len: int  # tokens in the KV cache after this step, the chunk included
-    block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids
-    # [chunk_len, context_len] True where a query may attend; None when the chunk is the whole
-    # context and plain causal attention over the chunk's own K/V is exact.
-    mask: torch.Tensor | None = None
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 block ids
+
+    @property
+    def first_position(self) -> int:
+        """Position of the chunk's first token in its sequence (0 for a fresh prompt)."""
+        return self.context_len - (self.end - self.start)
 
 
 @dataclass
@@ -42,14 +48,14 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id that receives each token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that block
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64: tokens each query attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
 
 
@@ -68,16 +74,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence, scored block by block against its block table."""
+    if cpu_kernels.available(v_cache):
+        return cpu_kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, scale)
+    return _decode_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence, scored block by block against its padded block table."""
     n, h_q, d = q.shape
-    _, h_kv, bs, _ = k_cache.shape
+    _, h_kv, bs, _ = v_cache.shape
     group = h_q // h_kv
     tables = meta.decode_block_tables
     nb = tables.shape[1]
-    keys = k_cache[tables]  # [n, nb, H_kv, bs, D]
-    scores = torch.matmul(q.view(n, 1, h_kv, group, d), keys.transpose(-1, -2))  # [n, nb, H_kv, G, bs]
+    scores = torch.matmul(q.view(n, 1, h_kv, group, d), k_cache[tables])  # [n, nb, H_kv, G, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(n, h_kv, group, nb * bs)
-    scores = scores.float().mul_(scale).add_(meta.decode_bias)
+    key_positions = torch.arange(nb * bs, device=q.device)
+    padding = key_positions.unsqueeze(0) >= meta.decode_context_lens.unsqueeze(1)  # [n, nb * bs]
+    scores = scores.float().mul_(scale).masked_fill_(padding.view(n, 1, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     probs = probs.view(n, h_kv, group, nb, bs).permute(0, 3, 1, 2, 4)  # [n, nb, H_kv, G, bs]
     out = torch.matmul(probs, v_cache[tables]).sum(dim=1)  # [n, H_kv, G, D]
@@ -86,20 +101,24 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    if cpu_kernels.available(v_cache):
+        return cpu_kernels.prefill_attention(q[span.start:span.end].contiguous(), k_cache, v_cache,
+                                             span.block_table, span.first_position, scale)
     qs = q[span.start:span.end].transpose(0, 1)  # [H_q, L, D]
-    if span.mask is None:
+    if span.first_position == 0:  # the chunk is the whole context: plain causal attention on its own K/V
         ks = k[span.start:span.end].transpose(0, 1)
         vs = v[span.start:span.end].transpose(0, 1)
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        ks = _gather_context(k_cache, span)
-        vs = _gather_context(v_cache, span)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+    else:  # query i sits at first_position + i and sees keys up to there
+        query_positions = torch.arange(span.first_position, span.context_len, device=q.device)
+        mask = torch.arange(span.context_len, device=q.device).unsqueeze(0) <= query_positions.unsqueeze(1)
+        ks = _gather_context(k_cache[span.block_table].transpose(-1, -2), span)
+        vs = _gather_context(v_cache[span.block_table], span)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
-def _gather_context(cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-    """The sequence's cached K or V as one contiguous [H_kv, context_len, D] tensor."""
-    blocks = cache[span.block_table]  # [nb, H_kv, bs, D]
+def _gather_context(blocks: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    """A sequence's blocks [nb, H_kv, bs, D] as one contiguous [H_kv, context_len, D] tensor."""
     nb, h_kv, bs, d = blocks.shape
     return blocks.transpose(0, 1).reshape(h_kv, nb * bs, d)[:, : span.context_len]

@@ -1,0 +1,1 @@
+"""Native CPU kernels, compiled from C on first use (see cpu.py)."""
