@@ -17,7 +17,8 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--max-prompt-len", type=int, default=500)
     tp.add_argument("--output-len", type=int, default=128)
     tp.add_argument("--max-num-seqs", type=int, default=64)
-    tp.add_argument("--max-num-batched-tokens", type=int, default=512)
+    tp.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                    help="step token budget; offline runs favour larger chunks than the server's 512")
     tp.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
     tp.add_argument("--hf-single-prompts", type=int, default=8,
                     help="prompts run one at a time through transformers (a subset: it is slow)")

@@ -1,0 +1,62 @@
+"""The C attention kernels against the torch formulation they replace, on random paged caches:
+odd lengths, block boundaries, GQA groups, continuing chunks, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.kernels import cpu as cpu_kernels
+from brisk.model import attention
+from brisk.model.attention import AttentionMetadata, PrefillSpan
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.zeros(1, 1, 16, 64)), reason="no C compiler")
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+def _cache(num_blocks, kv_heads, block_size, dim, dtype):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(num_blocks, kv_heads, dim, block_size, generator=g).to(dtype)
+    v = torch.randn(num_blocks, kv_heads, block_size, dim, generator=g).to(dtype)
+    return k, v
+
+
+def _torch_only(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "available", lambda cache: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, block_size, dim", [(9, 3, 16, 64), (4, 4, 4, 32), (8, 2, 8, 16)])
+def test_decode_kernel_matches_torch(monkeypatch, dtype, heads, kv_heads, block_size, dim):
+    k_cache, v_cache = _cache(50, kv_heads, block_size, dim, dtype)
+    lengths = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 77], dtype=torch.long)
+    width = int((lengths.max() + block_size - 1) // block_size)
+    tables = torch.stack([torch.randperm(50, generator=torch.Generator().manual_seed(i))[:width] for i in range(5)])
+    q = torch.randn(5, heads, dim).to(dtype)
+    meta = AttentionMetadata(None, None, num_decodes=5, decode_block_tables=tables, decode_context_lens=lengths)
+    ours = attention._decode_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    _torch_only(monkeypatch)
+    reference = attention._decode_attention(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    assert (ours.float() - reference).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first_position, chunk", [(0, 1), (0, 37), (0, 100), (5, 1), (16, 16), (29, 50)])
+def test_prefill_kernel_matches_torch(monkeypatch, dtype, first_position, chunk):
+    heads, kv_heads, block_size, dim = 6, 2, 16, 64
+    k_cache, v_cache = _cache(40, kv_heads, block_size, dim, dtype)
+    context = first_position + chunk
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:(context + block_size - 1) // block_size]
+    positions = torch.arange(first_position, context)
+    k = torch.randn(chunk, kv_heads, dim).to(dtype)
+    v = torch.randn(chunk, kv_heads, dim).to(dtype)
+    k_cache[table[positions // block_size], :, :, positions % block_size] = k  # as write_kv does
+    v_cache[table[positions // block_size], :, positions % block_size] = v
+    q = torch.randn(chunk, heads, dim).to(dtype)
+    span = PrefillSpan(0, chunk, context, table)
+    ours = attention._prefill_attention(q, k, v, k_cache, v_cache, span, 0.125)
+    _torch_only(monkeypatch)
+    reference = attention._prefill_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(),
+                                             span, 0.125)
+    assert (ours.float() - reference).abs().max().item() < TOLERANCE[dtype]
