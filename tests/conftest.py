@@ -51,19 +51,22 @@ def _write_tiny_tokenizer(folder: str) -> None:
                    "chat_template": TINY_CHAT_TEMPLATE}, f)
 
 
-@pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
-def tiny_model_dir(request, tmp_path_factory) -> str:
+def build_tiny_checkpoint(folder: str, architecture: str) -> str:
     """A random checkpoint saved by transformers, as any HF folder on disk would be."""
     import transformers
 
-    config_cls, model_cls, extra = TINY_ARCHITECTURES[request.param]
+    config_cls, model_cls, extra = TINY_ARCHITECTURES[architecture]
     config = getattr(transformers, config_cls)(**_TINY_COMMON, **extra, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config)
-    folder = str(tmp_path_factory.mktemp(request.param))
     model.save_pretrained(folder, safe_serialization=True)
     _write_tiny_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
+def tiny_model_dir(request, tmp_path_factory) -> str:
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)
 
 
 def load_hf_reference(path: str):

@@ -32,3 +32,18 @@ def brisk_logits(engine, token_ids: list[int], chunk_sizes: list[int] | None = N
 @torch.inference_mode()
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """`name{labels} value` lines -> {name (+ labels other than model_name): value}."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, value = line.rsplit(" ", 1)
+        if "{" in key:
+            name, labels = key[:-1].split("{", 1)
+            kept = [lab for lab in labels.split(",") if lab and not lab.startswith("model_name=")]
+            key = name + ("{" + ",".join(kept) + "}" if kept else "")
+        values[key] = float(value)
+    return values

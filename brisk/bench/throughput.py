@@ -97,7 +97,7 @@ def main(args) -> None:
     hf_decode = hf_single_stream_decode(hf_model, prompts[0][:32], args.output_len, pad)
 
     base = results[0].tokens_per_second
-    print(f"\n| system | requests | output tokens | seconds | output tok/s | brisk speed-up |")
+    print("\n| system | requests | output tokens | seconds | output tok/s | brisk speed-up |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r.name} | {r.requests} | {r.output_tokens} | {r.seconds:.1f} | {r.tokens_per_second:.1f} "

@@ -13,12 +13,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from brisk.config import EngineConfig
 from brisk.engine.engine import LLMEngine, Prompt
 from brisk.engine.output import RequestOutput
 from brisk.sampling_params import SamplingParams
+
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -50,25 +53,48 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs as they are produced; leaving early aborts it.
+    def is_healthy(self, stall_seconds: float = 60.0) -> bool:
+        """Alive, and either idle or having finished a step within `stall_seconds`."""
+        return self.is_alive and time.monotonic() - self.last_step_time < stall_seconds
 
-        Validation errors (e.g. a prompt longer than the context) are raised before anything
-        is queued, so a caller can answer them without the engine ever seeing the request.
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the scheduler or still in the inbox."""
+        return len(self.engine.scheduler.waiting) + self._inbox.qsize()
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs fn(engine) on the loop thread between steps; the only safe way to touch engine state."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post(("call", fn, loop, future))
+        return await future
+
+    def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queues a request and returns the async iterator of its outputs (call from the event loop).
+
+        Validation happens here, before anything is queued, so a bad request raises at once
+        (SamplingError) and a server can answer 400 before starting a response. Iterate the
+        result to the end, or close it: leaving early aborts the request and frees its blocks.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running") from self.error
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate(token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._post(("add", {"prompt": text, "prompt_token_ids": token_ids}, params, request_id, cache_salt))
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine side is already gone: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -119,6 +145,13 @@ class AsyncEngine:
                 return
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
+                continue
+            if command[0] == "call":
+                _, fn, loop, future = command
+                try:
+                    loop.call_soon_threadsafe(future.set_result, fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                    loop.call_soon_threadsafe(future.set_exception, exc)
                 continue
             _, prompt, params, request_id, cache_salt = command
             try:

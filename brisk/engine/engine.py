@@ -16,8 +16,9 @@ from brisk.config import ConfigError, EngineConfig
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.output import OutputProcessor, RequestOutput
 from brisk.engine.request import Request, RequestStatus
-from brisk.engine.runner import ModelRunner
-from brisk.engine.scheduler import Scheduler
+from brisk.engine.runner import ModelRunner, RunnerOutput
+from brisk.engine.scheduler import Scheduler, SchedulerOutput
+from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.sampling_params import SamplingError, SamplingParams
 
@@ -41,6 +42,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device, config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
 
     def _num_kv_blocks(self) -> int:
@@ -76,6 +78,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
+                child_index=i,
             )
             for i in range(params.n)
         ]
@@ -116,9 +119,15 @@ class LLMEngine:
         return replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
     def abort_request(self, request_id: str) -> None:
-        for child_id in self.output_processor.child_ids(request_id):
-            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+        children = [self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+                    for child_id in self.output_processor.child_ids(request_id)]
         self.output_processor.abort(request_id)
+        first = next((c for c in children if c is not None), None)
+        if first is not None:
+            times = first.times
+            queue_time = None if times.first_scheduled is None else times.first_scheduled - times.arrival
+            self._log(IterationStats(finished=[FinishedRequestStats(
+                "abort", time.monotonic() - times.arrival, queue_time, first.num_prompt_tokens)]))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
@@ -130,18 +139,57 @@ class LLMEngine:
         result = self.runner.execute(sched)
         return self._update(sched, result)
 
-    def _update(self, sched, result) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
-        for chunk in sched.chunks:
-            if chunk.request.times.first_scheduled is None:
-                chunk.request.times.first_scheduled = now
+        iteration = IterationStats(num_sequences=len(sched.chunks), num_batched_tokens=sched.num_batched_tokens,
+                                   num_preemptions=len(sched.preempted))
         for child_id, chunk_logprobs in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(child_id, chunk_logprobs)
         progressed = self.scheduler.update(sched, result.sampled)
         for request in progressed:
-            request.times.first_token = request.times.first_token or now
-            request.times.last_token = now
+            _record_token_times(request, now, iteration)
         outputs, stopped = self.output_processor.process(progressed, result.logprobs, now)
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
+        iteration.finished = [_finished_stats(o) for o in outputs if o.finished]
+        self._log(iteration)
         return outputs
+
+    def snapshot(self) -> EngineSnapshot:
+        kv = self.kv
+        return EngineSnapshot(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage, num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks,
+            num_cached_blocks=kv.num_cached_blocks, prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits, prefix_cache_evictions=kv.stats.evictions,
+        )
+
+    def _log(self, iteration: IterationStats) -> None:
+        if self.stat_loggers:
+            snapshot = self.snapshot()
+            for logger in self.stat_loggers:
+                logger.record(snapshot, iteration)
+
+
+def _record_token_times(request: Request, now: float, iteration: IterationStats) -> None:
+    times = request.times
+    iteration.num_generation_tokens += 1
+    if times.first_token is None:
+        times.first_token = now
+        if request.child_index == 0:  # once per user request, whatever n is
+            iteration.time_to_first_tokens.append(now - times.arrival)
+            iteration.num_prompt_tokens += request.num_prompt_tokens
+    else:
+        iteration.inter_token_latencies.append(now - times.last_token)
+    times.last_token = now
+
+
+def _finished_stats(output: RequestOutput) -> FinishedRequestStats:
+    m = output.metrics
+    reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+    return FinishedRequestStats(
+        finish_reason=reasons[0] if reasons else "stop",
+        e2e_latency=m.finished_time - m.arrival_time,
+        queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
+        num_prompt_tokens=len(output.prompt_token_ids),
+    )

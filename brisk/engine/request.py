@@ -50,6 +50,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first scheduling
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates prefix-cache entries (e.g. per tenant)
+    child_index: int = 0  # which of the user request's n sequences this is
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set

@@ -12,6 +12,7 @@ is cheap). A request therefore never fails for lack of KV memory; it only waits.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -116,6 +117,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
+                request.times.first_scheduled = time.monotonic()
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n

@@ -39,10 +39,16 @@ async def _collect(engine: AsyncEngine, prompt, request_id: str, params=STREAM):
     return "".join(pieces), tokens, outputs, output
 
 
-def test_streamed_deltas_add_up_to_the_offline_result(real_llm, async_engine):
+@pytest.fixture
+def offline_fruit(real_llm):
+    """Computed before `async_engine` starts its loop thread: after that, only the loop may touch the engine."""
     prompt = _prompt(real_llm, "Name a fruit.")
-    offline = real_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
-    # the offline run used the engine directly; from here on only the loop thread touches it
+    return prompt, real_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+
+
+def test_streamed_deltas_add_up_to_the_offline_result(offline_fruit, async_engine):
+    prompt, offline = offline_fruit
+    offline = offline.outputs[0]
     text, tokens, count, last = asyncio.run(_collect(async_engine, prompt, "stream-1"))
     assert (text, tokens) == (offline.text, offline.token_ids)
     assert count == len(tokens) and last.finished and last.outputs[0].finish_reason == offline.finish_reason

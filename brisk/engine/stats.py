@@ -1,0 +1,48 @@
+"""Engine statistics, counted where things happen and handed to loggers (e.g. Prometheus).
+
+After every step the engine builds an IterationStats (what this step did) and an EngineSnapshot
+(queue and cache state now) and passes both to each registered StatLogger. The engine itself
+knows nothing of Prometheus; the server plugs a logger in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop", "length" or "abort"
+    e2e_latency: float  # arrival -> finished, seconds
+    queue_time: float | None  # arrival -> first scheduled; None if it never ran
+    num_prompt_tokens: int
+
+
+@dataclass
+class IterationStats:
+    num_sequences: int = 0  # sequences that advanced in this step (the batch size)
+    num_batched_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompts of requests that produced their first token this step
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class EngineSnapshot:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by requests
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_cached_blocks: int  # blocks whose content the prefix cache can reuse
+    prefix_cache_queries: int  # tokens looked up, cumulative
+    prefix_cache_hits: int  # tokens served from cache, cumulative
+    prefix_cache_evictions: int
+
+
+class StatLogger(Protocol):
+    def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None: ...

@@ -1,0 +1,75 @@
+"""Prometheus metrics, named as vLLM names them with a `brisk:` prefix.
+
+A StatLogger on the engine: it is fed after every step (and every abort) with what the engine
+counted, so each figure comes from the event itself. The registry is per server, not global.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from brisk.engine.stats import EngineSnapshot, IterationStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"brisk:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(f"brisk:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"brisk:{name}", doc, labelnames=list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self._success = Counter("brisk:request_success", "Finished requests by finish reason.",
+                                labelnames=[*labels, "finished_reason"], registry=r)
+        self._labels = labels
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.batch_size = histogram("iteration_batch_size", "Sequences advanced per engine step.", _BATCH_BUCKETS)
+        self._prefix_seen = (0, 0)  # cumulative (queries, hits) at the last record
+
+    def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
+        self.running.set(snapshot.num_running)
+        self.waiting.set(snapshot.num_waiting)
+        self.kv_usage.set(snapshot.kv_cache_usage)
+        queries, hits = snapshot.prefix_cache_queries, snapshot.prefix_cache_hits
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        self.preemptions.inc(iteration.num_preemptions)
+        if iteration.num_sequences:
+            self.batch_size.observe(iteration.num_sequences)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in iteration.finished:
+            self._success.labels(**self._labels, finished_reason=finished.finish_reason).inc()
+            self.e2e.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.queue.observe(finished.queue_time)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

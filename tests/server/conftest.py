@@ -1,0 +1,65 @@
+"""Real uvicorn servers on free loopback ports, driven by the official openai client and httpx.
+
+The server for the real model runs in a thread of the test process so it reuses the model the
+session already loaded; expectations computed offline must be taken before it starts, since
+from then on only the engine's loop thread may touch the engine.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+
+from brisk.engine.async_engine import AsyncEngine
+from brisk.server.app import build_app
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(engine: AsyncEngine, **app_options):
+    """Serves `engine` on a free port until the block ends; yields the base URL."""
+    app = build_app(engine, owns_engine=False, **app_options)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def real_async_engine(real_llm, offline_expectations):
+    """The session's engine behind a loop thread, for this module only."""
+    engine = AsyncEngine(engine=real_llm.engine)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline_expectations():
+    """Overridden by modules that need offline results computed before the loop starts."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def base_url(real_async_engine):
+    with running_server(real_async_engine, model_name="smollm2") as url:
+        yield url

@@ -1,0 +1,124 @@
+"""The OpenAI-compatible endpoints on the real model, through the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from brisk import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def offline_expectations(real_llm):
+    """Greedy answers from the offline API, taken before the server's loop thread starts."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    return {
+        "chat": real_llm.chat(QUESTION, greedy, use_tqdm=False)[0].outputs[0].text,
+        "completion": real_llm.generate("The capital of France is", greedy, use_tqdm=False)[0].outputs[0].text,
+    }
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _async_client(base_url) -> openai.AsyncOpenAI:
+    """Made inside each test's event loop: an async client's connections belong to one loop."""
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2"]
+
+
+def test_chat_completion_equals_the_offline_api(client, offline_expectations):
+    response = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=16)
+    choice = response.choices[0]
+    assert choice.message.content == offline_expectations["chat"]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    usage = response.usage
+    assert usage.completion_tokens <= 16 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_streamed_chat_adds_up_and_reports_usage(client, offline_expectations):
+    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=16,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == offline_expectations["chat"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    reference = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=16).usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (reference.prompt_tokens, reference.completion_tokens)
+
+
+def test_max_completion_tokens_and_n(client):
+    response = client.chat.completions.create(model="smollm2", messages=QUESTION, max_completion_tokens=5, n=2,
+                                              temperature=1.0, seed=3)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 10
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=4,
+                                              logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.top_logprobs[0].token == item.token  # greedy picks the top
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob) and item.logprob <= 0
+
+
+def test_completions_with_text_batch_and_token_ids(client, offline_expectations):
+    one = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0, max_tokens=16)
+    assert one.choices[0].text == offline_expectations["completion"]
+    ids = client.completions.create(model="smollm2", prompt=[504, 3575, 282, 4649, 314], temperature=0, max_tokens=4)
+    assert ids.usage.prompt_tokens == 5
+    batch = client.completions.create(model="smollm2", prompt=["The capital of France is", "1, 2, 3,"], n=2,
+                                      temperature=0, max_tokens=6, logprobs=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text.startswith(offline_expectations["completion"][:10])
+    assert len(batch.choices[0].logprobs.tokens) == 6 and len(batch.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def test_streamed_completion(client, offline_expectations):
+    stream = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                       max_tokens=16, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == offline_expectations["completion"]
+
+
+def test_async_client_runs_requests_concurrently(base_url):
+    async def one(client, i):
+        r = await client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=12, temperature=0)
+        return r.choices[0].message.content
+
+    async def main():
+        async with _async_client(base_url) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(6)))
+
+    answers = asyncio.run(main())
+    assert len(answers) == 6 and all(answers)
+
+
+def test_async_streaming(base_url):
+    async def main():
+        async with _async_client(base_url) as client:
+            stream = await client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=8,
+                                                          temperature=0, stream=True)
+            return [c async for c in stream]
+
+    chunks = asyncio.run(main())
+    assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason in ("stop", "length")
