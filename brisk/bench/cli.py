@@ -27,8 +27,28 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--seed", type=int, default=0)
     tp.set_defaults(func=_throughput)
 
+    px = kinds.add_parser("prefix", help="prefix caching on vs off: shared system prompt, multi-turn chat")
+    px.add_argument("--model", default=None)
+    px.add_argument("--dtype", default="float32")
+    px.add_argument("--num-requests", type=int, default=32)
+    px.add_argument("--system-len", type=int, default=1000)
+    px.add_argument("--question-len", type=int, default=50)
+    px.add_argument("--conversations", type=int, default=8)
+    px.add_argument("--turns", type=int, default=4)
+    px.add_argument("--output-len", type=int, default=32)
+    px.add_argument("--max-num-batched-tokens", type=int, default=512)
+    px.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
+    px.add_argument("--seed", type=int, default=0)
+    px.set_defaults(func=_prefix)
+
 
 def _throughput(args: argparse.Namespace) -> None:
     from brisk.bench.throughput import main
+
+    main(args)
+
+
+def _prefix(args: argparse.Namespace) -> None:
+    from brisk.bench.prefix import main
 
     main(args)

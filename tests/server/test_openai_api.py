@@ -122,3 +122,23 @@ def test_async_streaming(base_url):
 
     chunks = asyncio.run(main())
     assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_usage_reports_prefix_cache_hits(client, base_url):
+    import httpx
+
+    from tests.helpers import metric_values
+
+    system = {"role": "system", "content": "You answer questions about astronomy in one sentence. " * 8}
+    before = metric_values(httpx.get(f"{base_url}/metrics").text)
+    first = client.chat.completions.create(model="smollm2", messages=[system, {"role": "user", "content": "Mars?"}],
+                                           max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model="smollm2", messages=[system, {"role": "user", "content": "Venus?"}],
+                                            max_tokens=2, temperature=0)
+    after = metric_values(httpx.get(f"{base_url}/metrics").text)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    hits = after["brisk:prefix_cache_hits_total"] - before["brisk:prefix_cache_hits_total"]
+    queries = after["brisk:prefix_cache_queries_total"] - before["brisk:prefix_cache_queries_total"]
+    assert hits == cached + first.usage.prompt_tokens_details.cached_tokens
+    assert queries == first.usage.prompt_tokens + second.usage.prompt_tokens
