@@ -34,7 +34,7 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--system-len", type=int, default=1000)
     px.add_argument("--question-len", type=int, default=50)
     px.add_argument("--conversations", type=int, default=8)
-    px.add_argument("--turns", type=int, default=4)
+    px.add_argument("--turns", type=int, default=6)
     px.add_argument("--output-len", type=int, default=32)
     px.add_argument("--max-num-batched-tokens", type=int, default=512)
     px.add_argument("--kv-cache-memory-gib", type=float, default=2.0)

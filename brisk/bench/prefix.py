@@ -2,8 +2,9 @@
 
 * shared system prompt: N requests = one long system prompt + a distinct short question each,
   submitted together (as a burst of users hitting one deployment);
-* multi-turn chat: C conversations of T turns; each turn sends the whole history (earlier
-  replies included) plus a new user message, and turn k+1 starts when every turn k finished.
+* multi-turn chat: C conversations of T turns under a long system prompt (a deployment's
+  instructions, ~400 tokens); each turn sends the whole history (earlier replies included) plus
+  a new user message, and turn k+1 starts when every turn k finished.
 
 TTFT is arrival -> first token per request (so it includes queueing behind other prefills,
 which is where a cached prefix helps most); throughput is requests per second of wall time.
@@ -58,11 +59,16 @@ def shared_system_prompt(llm: LLM, caching: bool, num_requests: int, system_len:
                         sum(len(p["prompt_token_ids"]) for p in prompts), sum(o.num_cached_tokens for o in outputs))
 
 
+_INSTRUCTIONS = ("You are the support assistant of an online bookshop. Answer in at most three sentences, "
+                 "cite the order number when the customer gives one, never promise refunds, and hand over to a "
+                 "human agent when the customer asks for one. ")
+
+
 def multi_turn_chat(llm: LLM, caching: bool, conversations: int, turns: int, output_len: int,
                     seed: int) -> PrefixResult:
     rng = random.Random(seed)
     words = ["river", "mountain", "engine", "garden", "theory", "market", "signal", "planet", "recipe", "violin"]
-    histories = [[{"role": "system", "content": "You are a concise assistant. " * 20}] for _ in range(conversations)]
+    histories = [[{"role": "system", "content": _INSTRUCTIONS * 8}] for _ in range(conversations)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     ttfts, seconds, prompt_tokens, cached = [], 0.0, 0, 0
     for _ in range(turns):

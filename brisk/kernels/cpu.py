@@ -1,11 +1,11 @@
 """Builds and loads the C kernels on the machine that runs them.
 
-Compiled with the system C compiler on first use (about a second) for the model's block size
-and head dim (compile-time constants keep the hot loops in registers), into a per-user cache
-keyed by the source and flags, then loaded with ctypes (which releases the GIL during calls). OpenMP
-symbols resolve to the libgomp torch has already loaded, so the kernels share torch's thread
-pool instead of fighting it for cores. Without a compiler, `decode_attention()` is None and
-callers use the torch implementation.
+Each C source is compiled with the system C compiler on first use (about a second) into a
+per-user cache keyed by the source and flags, then loaded with ctypes (which releases the GIL
+during calls). The attention kernels are built per model shape (block size and head dim are
+compile-time constants, which keeps their hot loops in registers). OpenMP symbols resolve to
+the libgomp torch has already loaded, so the kernels share torch's thread pool instead of
+fighting it for cores. Without a compiler, `available*()` say no and callers use torch.
 """
 
 from __future__ import annotations
@@ -24,16 +24,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
-# -ffast-math lets expf vectorize (glibc's libmvec) and sums reassociate; the kernel avoids
+_HERE = Path(__file__).parent
+# -ffast-math lets expf vectorize (glibc's libmvec) and sums reassociate; the kernels avoid
 # infinities so finite-math is safe.
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the variant
     "paged_decode_attention": [_PTR] * 6 + [_I64] * 4 + [ctypes.c_float],
     "paged_prefill_attention": [_PTR] * 5 + [_I64] * 4 + [ctypes.c_float],
+    "linear_rows": [_PTR] * 4 + [_I64] * 3,
 }
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+SMALL_BATCH_ROWS = 8  # up to this many rows linear_rows beats BLAS (measured crossover ~10-12)
 
 
 def _cache_dir() -> Path:
@@ -42,40 +44,51 @@ def _cache_dir() -> Path:
 
 
 @cache
-def _library(block_size: int, head_dim: int) -> ctypes.CDLL | None:
+def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: using the slower torch attention")
+        log.warning("no C compiler found: using the slower torch paths")
         return None
-    flags = [*_FLAGS, f"-DBLOCK_SIZE={block_size}", f"-DHEAD_DIM={head_dim}"]
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    source = _HERE / source_name
+    flags = [*_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"],
+            result = subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
-                log.warning("building the C kernels failed, using torch attention:\n%s", result.stderr)
+                log.warning("building %s failed, using torch instead:\n%s", source.name, result.stderr)
                 return None
             os.replace(built, target)  # atomic: concurrent builders never load a half-written file
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
         for suffix in _SUFFIXES.values():
-            getattr(lib, f"{name}_{suffix}").argtypes = argtypes
+            symbol = getattr(lib, f"{name}_{suffix}", None)
+            if symbol is not None:
+                symbol.argtypes = argtypes
     return lib
 
 
+def _attention_library(v_cache: torch.Tensor) -> ctypes.CDLL | None:
+    return _library("paged_attention.c", (("BLOCK_SIZE", v_cache.shape[2]), ("HEAD_DIM", v_cache.shape[3])))
+
+
+def _on_cpu(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype in _SUFFIXES
+
+
 def available(v_cache: torch.Tensor) -> bool:
-    """Whether the C kernels serve this cache's device, dtype and shape ([blocks, H_kv, bs, D])."""
-    return (v_cache.device.type == "cpu" and v_cache.dtype in _SUFFIXES
-            and _library(v_cache.shape[2], v_cache.shape[3]) is not None)
+    """Whether the attention kernels serve this cache's device, dtype and shape ([blocks, H_kv, bs, D])."""
+    return _on_cpu(v_cache) and _attention_library(v_cache) is not None
 
 
-def _kernel(name: str, v_cache: torch.Tensor):
-    return getattr(_library(v_cache.shape[2], v_cache.shape[3]), f"{name}_{_SUFFIXES[v_cache.dtype]}")
+def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear_rows should run this product: few rows, on CPU, a supported dtype."""
+    return (x.shape[0] <= SMALL_BATCH_ROWS and _on_cpu(weight) and x.dtype == weight.dtype
+            and _library("linear.c") is not None)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -83,7 +96,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [n, H_q, D] (contiguous), k_cache [blocks, H_kv, D, bs], v_cache [blocks, H_kv, bs, D] -> [n, H_q, D]."""
     n, num_heads, _ = q.shape
     out = torch.empty_like(q)
-    _kernel("paged_decode_attention", v_cache)(
+    getattr(_attention_library(v_cache), f"paged_decode_attention_{_SUFFIXES[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), n, num_heads, v_cache.shape[1], block_tables.shape[1], scale)
     return out
@@ -94,7 +107,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> [L, H_q, D]."""
     num_queries, num_heads, _ = q.shape
     out = torch.empty_like(q)
-    _kernel("paged_prefill_attention", v_cache)(
+    getattr(_attention_library(v_cache), f"paged_prefill_attention_{_SUFFIXES[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), out.data_ptr(),
         num_queries, start, num_heads, v_cache.shape[1], scale)
+    return out
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k]^T (+ bias) for small m."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, weight.shape[0], dtype=x.dtype)
+    getattr(_library("linear.c"), f"linear_rows_{_SUFFIXES[x.dtype]}")(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        m, weight.shape[0], k)
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from brisk import LLM, SamplingParams
-from tests.conftest import assert_no_leaks, hf_greedy
+from tests.conftest import assert_no_leaks, hf_greedy, load_hf_reference
 from tests.helpers import brisk_logits, hf_logits
 
 pytestmark = pytest.mark.real_model
@@ -42,8 +42,20 @@ def test_logits_match_transformers(real_llm, real_hf_model, prompts):
     prompt = prompts[2]
     reference = hf_logits(real_hf_model, prompt)
     assert (brisk_logits(real_llm.engine, prompt) - reference).abs().max().item() < 1e-4
-    chunks = [7, 1, 1, len(prompt) - 9]
+    chunks = [16, 9, len(prompt) - 25]  # prefill continuing a cached context, chunk edges mid-block
     assert (brisk_logits(real_llm.engine, prompt, chunks) - reference).abs().max().item() < 1e-4
+
+
+def test_decode_path_logits_match_exact_transformers(real_llm, real_model_path, prompts):
+    """Steps of a few tokens run through the C matrix-vector kernel, which sums in double. On this
+    model any two fp32 computations differ by about 1e-4 (transformers' own fp32 logits are 9e-5
+    from its float64 ones), so this path is held to the same 1e-4 against the exact reference:
+    transformers in float64 on the same weights."""
+    exact_model = load_hf_reference(real_model_path).double()
+    prompt = prompts[2]
+    exact = hf_logits(exact_model, prompt).double()
+    chunks = [7, 1, 1, len(prompt) - 9]  # small chunks and single-token (decode) steps
+    assert (brisk_logits(real_llm.engine, prompt, chunks).double() - exact).abs().max().item() < 1e-4
 
 
 def test_greedy_matches_transformers_in_one_batch(real_llm, prompts, expected):

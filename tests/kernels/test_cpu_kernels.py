@@ -60,3 +60,28 @@ def test_prefill_kernel_matches_torch(monkeypatch, dtype, first_position, chunk)
     reference = attention._prefill_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(),
                                              span, 0.125)
     assert (ours.float() - reference).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, cpu_kernels.SMALL_BATCH_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_rows_matches_torch(dtype, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(203, 96, generator=g).to(dtype)
+    bias = torch.randn(203, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    assert cpu_kernels.linear_available(x, weight)
+    ours = cpu_kernels.linear_rows(x, weight, bias)
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    reference = exact.float()
+    assert ours.dtype == dtype and ours.shape == (rows, 203)
+    if dtype == torch.float32:  # sums in double: within a few ulps of the exact product
+        assert (ours.double() - exact).abs().max().item() < 4e-6
+    else:  # one bf16 rounding of the result: within half a unit in the last place (2^-8 relative)
+        assert torch.allclose(ours.float(), reference, rtol=2**-8, atol=1e-6)
+
+
+def test_linear_rows_is_only_chosen_for_small_cpu_batches():
+    weight = torch.zeros(8, 4)
+    assert not cpu_kernels.linear_available(torch.zeros(cpu_kernels.SMALL_BATCH_ROWS + 1, 4), weight)
+    assert not cpu_kernels.linear_available(torch.zeros(2, 4, dtype=torch.float64), weight.double())
