@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from brisk.config import EngineConfig
 from brisk.engine.engine import LLMEngine, Prompt
@@ -35,6 +35,48 @@ class _Stream:
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator.
+
+    Closing it (`aclose()`), cancelling a task waiting on it, or dropping it before the request
+    finished aborts the request, whether or not iteration ever started, so its KV blocks are
+    always given back.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream):
+        self._engine, self.request_id, self._stream = engine, request_id, stream
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except BaseException:  # cancelled while waiting: the caller is gone
+            self._close(abort=True)
+            raise
+        if isinstance(item, BaseException):
+            self._close(abort=False)  # the engine side is already gone: nothing to abort
+            raise item
+        if item.finished:
+            self._close(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        self._close(abort=True)
+
+    def _close(self, abort: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._forget(self.request_id, abort)
+
+    def __del__(self) -> None:
+        self._close(abort=True)
 
 
 class AsyncEngine:
@@ -70,7 +112,7 @@ class AsyncEngine:
         return await future
 
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None) -> RequestStream:
         """Queues a request and returns the async iterator of its outputs (call from the event loop).
 
         Validation happens here, before anything is queued, so a bad request raises at once
@@ -86,22 +128,12 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._post(("add", {"prompt": text, "prompt_token_ids": token_ids}, params, request_id, cache_salt))
-        return self._outputs(request_id, stream)
+        return RequestStream(self, request_id, stream)
 
-    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine side is already gone: nothing to abort
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+    def _forget(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

@@ -51,7 +51,8 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
         return None
     source = _HERE / source_name
     flags = [*_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    inputs = source.read_bytes() + (_HERE / "dtypes.h").read_bytes() + " ".join([compiler, *flags]).encode()
+    key = hashlib.sha256(inputs).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

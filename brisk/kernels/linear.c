@@ -11,24 +11,8 @@
  * Layouts (row-major): x [m, k], w [n, k], bias [n] or NULL, y [m, n].
  */
 #include <stdint.h>
-#include <string.h>
 
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-
-static inline float load_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t store_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#include "dtypes.h"
 
 #define DEFINE_LINEAR_ROWS(NAME, T, LOAD, STORE)                                                        \
     void NAME(const T *restrict x, const T *restrict w, const T *restrict bias, T *restrict y,           \

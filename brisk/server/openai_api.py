@@ -88,14 +88,20 @@ class OpenAIServing:
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
                              "model": self.model_name, "choices": choices, "usage": _usage([final])})
 
-    async def _chat_stream(self, body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput],
-                           request_id: str, created: int) -> AsyncIterator[str]:
-        def chunk(choices, usage=None):
-            payload = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                       "model": self.model_name, "choices": choices}
+    def _chunker(self, body, object_name: str, request_id: str, created: int):
+        """Builds the stream's chunks; with include_usage every chunk carries `usage` (null until the last)."""
+        def chunk(choices: list, usage: dict | None = None) -> dict:
+            payload = {"id": request_id, "object": object_name, "created": created, "model": self.model_name,
+                       "choices": choices}
             if body.include_usage:
                 payload["usage"] = usage
             return payload
+
+        return chunk
+
+    async def _chat_stream(self, body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput],
+                           request_id: str, created: int) -> AsyncIterator[dict]:
+        chunk = self._chunker(body, "chat.completion.chunk", request_id, created)
 
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
@@ -143,12 +149,7 @@ class OpenAIServing:
 
     async def _completion_stream(self, body: CompletionRequest, streams: list[AsyncIterator[RequestOutput]],
                                  base_id: str, created: int) -> AsyncIterator[dict]:
-        def chunk(choices, usage=None):
-            payload = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": choices}
-            if body.include_usage:
-                payload["usage"] = usage
-            return payload
+        chunk = self._chunker(body, "text_completion", base_id, created)
 
         prompt_tokens, completion_tokens, cached = 0, 0, 0
         async for i, out in _merge(streams):

@@ -111,3 +111,19 @@ def test_event_loop_keeps_running_while_the_model_steps(real_llm, async_engine):
     ticks, outputs = asyncio.run(main())
     # A loop blocked by model steps would tick about once per output; a free one ticks throughout.
     assert ticks > 2 * outputs
+
+
+def test_closing_a_stream_that_never_started_aborts_its_request(real_llm, async_engine):
+    async def main():
+        stream = async_engine.generate(_prompt(real_llm, "Write a long poem."),
+                                       SamplingParams(max_tokens=400, ignore_eos=True), "never-read")
+        await asyncio.sleep(0.3)  # the engine has picked it up and is generating
+        await stream.aclose()
+        for _ in range(200):
+            if not async_engine.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert_no_leaks(async_engine.engine)
+    assert "never-read" not in async_engine._streams
