@@ -80,9 +80,10 @@ class ModelRunner:
         decodes = [c for c in sched.chunks if c.num_new_tokens == 1]
         prefills = [c for c in sched.chunks if c.num_new_tokens > 1]
         ids, positions, blocks = [], [], []
+        tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in sched.chunks}
         for chunk in decodes + prefills:
             r, start = chunk.request, chunk.request.num_computed_tokens
-            table = self.kv.block_ids(r.request_id)
+            table = tables[r.request_id]
             span = range(start, start + chunk.num_new_tokens)
             ids.extend(r.token_ids[start:start + chunk.num_new_tokens])
             positions.extend(span)
@@ -94,13 +95,13 @@ class ModelRunner:
             num_decodes=len(decodes),
         )
         if decodes:
-            attn.decode_block_tables, attn.decode_context_lens = self._decode_tables(decodes)
+            attn.decode_block_tables, attn.decode_context_lens = self._decode_tables(decodes, tables)
         sample_rows, sample_requests, prompt_rows = [], [], []
         row = 0
         for chunk in decodes + prefills:
             r, n = chunk.request, chunk.num_new_tokens
             if n > 1:
-                attn.prefills.append(self._prefill_span(chunk, row))
+                attn.prefills.append(self._prefill_span(chunk, row, tables[r.request_id]))
             if chunk.completes_sequence:
                 sample_rows.append(row + n - 1)
                 sample_requests.append(r)
@@ -116,20 +117,20 @@ class ModelRunner:
             prompt_logprob_rows=prompt_rows,
         )
 
-    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, decodes: list[ScheduledChunk],
+                       block_ids: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables padded to the longest (padding is never read: context_lens bound it)."""
-        tables = [self.kv.block_ids(c.request.request_id) for c in decodes]
+        tables = [block_ids[c.request.request_id] for c in decodes]
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         context_lens = torch.tensor([c.request.num_computed_tokens + 1 for c in decodes], dtype=torch.long)
         return padded.to(self.device), context_lens.to(self.device)
 
-    def _prefill_span(self, chunk: ScheduledChunk, row: int) -> PrefillSpan:
+    def _prefill_span(self, chunk: ScheduledChunk, row: int, block_ids: list[int]) -> PrefillSpan:
         start, n = chunk.request.num_computed_tokens, chunk.num_new_tokens
         context_len = start + n
         num_blocks = -(-context_len // self.block_size)
-        table = torch.tensor(self.kv.block_ids(chunk.request.request_id)[:num_blocks], dtype=torch.long,
-                             device=self.device)
+        table = torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=self.device)
         return PrefillSpan(row, row + n, context_len, table)
 
     @staticmethod
