@@ -55,15 +55,12 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
     key = hashlib.sha256(inputs).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                log.warning("building %s failed, using torch instead:\n%s", source.name, result.stderr)
-                return None
-            os.replace(built, target)  # atomic: concurrent builders never load a half-written file
+        try:
+            _build(compiler, flags, source, target)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            log.warning("building %s failed, using torch instead: %s %s", source.name, exc,
+                        getattr(exc, "stderr", "") or "")
+            return None
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
         for suffix in _SUFFIXES.values():
@@ -71,6 +68,17 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
             if symbol is not None:
                 symbol.argtypes = argtypes
     return lib
+
+
+def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise subprocess.CalledProcessError(result.returncode, compiler, stderr=result.stderr)
+        os.replace(built, target)  # atomic: concurrent builders never load a half-written file
 
 
 def _attention_library(v_cache: torch.Tensor) -> ctypes.CDLL | None:

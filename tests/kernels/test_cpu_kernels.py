@@ -85,3 +85,14 @@ def test_linear_rows_is_only_chosen_for_small_cpu_batches():
     weight = torch.zeros(8, 4)
     assert not cpu_kernels.linear_available(torch.zeros(cpu_kernels.SMALL_BATCH_ROWS + 1, 4), weight)
     assert not cpu_kernels.linear_available(torch.zeros(2, 4, dtype=torch.float64), weight.double())
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_to_torch(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file-not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache folder cannot be created
+    cpu_kernels._library.cache_clear()
+    try:
+        assert cpu_kernels._library("linear.c", (("UNBUILT_VARIANT", 1),)) is None
+    finally:
+        cpu_kernels._library.cache_clear()
