@@ -146,3 +146,14 @@ def test_forty_streams_half_disconnecting_leave_nothing_behind(base_url, real_as
     assert delta("brisk:e2e_request_latency_seconds_count") == 40
     assert delta("brisk:time_to_first_token_seconds_count") == 40
     assert delta("brisk:generation_tokens_total") >= 20 * 48 + 20
+
+
+def test_health_and_requests_answer_503_once_the_engine_loop_stopped(tmp_path):
+    folder = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
+    engine = AsyncEngine(EngineConfig(model=folder, dtype="float32", num_kv_blocks=16, max_model_len=64))
+    with running_server(engine) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        engine.shutdown()
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "w3 w4", "max_tokens": 2})
+        assert _error(r, 503)["type"] == "server_error"
