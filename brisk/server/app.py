@@ -93,7 +93,7 @@ def build_app(engine: AsyncEngine, *, model_name: str | None = None, api_key: st
                                 output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
         openai.admit()
         start = time.monotonic()
-        # optimization=none: a private cache salt, so the prompt neither reuses nor leaves cached blocks.
+        # optimization=none: a private cache salt, so the prompt reuses no cached blocks and shares none.
         salt = uuid.uuid4().hex if body.optimization == "none" else None
         outputs = engine.generate({"prompt_token_ids": prompt_ids}, params, f"gen-{uuid.uuid4().hex}", salt)
 
