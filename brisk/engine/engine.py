@@ -124,10 +124,9 @@ class LLMEngine:
         self.output_processor.abort(request_id)
         first = next((c for c in children if c is not None), None)
         if first is not None:
-            times = first.times
-            queue_time = None if times.first_scheduled is None else times.first_scheduled - times.arrival
-            self._log(IterationStats(finished=[FinishedRequestStats(
-                "abort", time.monotonic() - times.arrival, queue_time, first.num_prompt_tokens)]))
+            t = first.times
+            self._log(IterationStats(finished=[FinishedRequestStats.at(
+                "abort", time.monotonic(), t.arrival, t.first_scheduled, first.num_prompt_tokens)]))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
@@ -187,9 +186,5 @@ def _record_token_times(request: Request, now: float, iteration: IterationStats)
 def _finished_stats(output: RequestOutput) -> FinishedRequestStats:
     m = output.metrics
     reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-    return FinishedRequestStats(
-        finish_reason=reasons[0] if reasons else "stop",
-        e2e_latency=m.finished_time - m.arrival_time,
-        queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
-        num_prompt_tokens=len(output.prompt_token_ids),
-    )
+    return FinishedRequestStats.at(reasons[0] if reasons else "stop", m.finished_time, m.arrival_time,
+                                   m.first_scheduled_time, len(output.prompt_token_ids))

@@ -18,6 +18,12 @@ class FinishedRequestStats:
     queue_time: float | None  # arrival -> first scheduled; None if it never ran
     num_prompt_tokens: int
 
+    @classmethod
+    def at(cls, finish_reason: str, finished: float, arrival: float, first_scheduled: float | None,
+           num_prompt_tokens: int) -> "FinishedRequestStats":
+        return cls(finish_reason, finished - arrival, None if first_scheduled is None else first_scheduled - arrival,
+                   num_prompt_tokens)
+
 
 @dataclass
 class IterationStats:

@@ -1,4 +1,7 @@
-"""Paged attention over a pool of fixed-size KV blocks, in plain PyTorch.
+"""Paged attention over a pool of fixed-size KV blocks.
+
+On CPU it runs in the C kernels of brisk/kernels (fp32 and bf16); elsewhere (GPUs, or with no
+C compiler) in the torch formulation below, which is also their reference in the tests.
 
 Cache layout, per layer::
 
@@ -34,11 +37,21 @@ class PrefillSpan:
     end: int  # one past the last
     context_len: int  # tokens in the KV cache after this step, the chunk included
     block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 block ids
+    _causal_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def first_position(self) -> int:
         """Position of the chunk's first token in its sequence (0 for a fresh prompt)."""
         return self.context_len - (self.end - self.start)
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
+        """[chunk_len, context_len] True where query i (at first_position + i) may attend.
+        Built on first use and shared by every layer of the step (torch path only)."""
+        if self._causal_mask is None:
+            query_positions = torch.arange(self.first_position, self.context_len, device=device)
+            keys = torch.arange(self.context_len, device=device)
+            self._causal_mask = keys.unsqueeze(0) <= query_positions.unsqueeze(1)
+        return self._causal_mask
 
 
 @dataclass
@@ -51,6 +64,16 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64: tokens each query attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
+    _decode_padding: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def decode_padding(self, block_size: int) -> torch.Tensor:
+        """[num_decodes, max_blocks * block_size] True past each sequence's context.
+        Built on first use and shared by every layer of the step (torch path only)."""
+        if self._decode_padding is None:
+            keys = torch.arange(self.decode_block_tables.shape[1] * block_size,
+                                device=self.decode_context_lens.device)
+            self._decode_padding = keys.unsqueeze(0) >= self.decode_context_lens.unsqueeze(1)
+        return self._decode_padding
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -90,9 +113,8 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     nb = tables.shape[1]
     scores = torch.matmul(q.view(n, 1, h_kv, group, d), k_cache[tables])  # [n, nb, H_kv, G, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(n, h_kv, group, nb * bs)
-    key_positions = torch.arange(nb * bs, device=q.device)
-    padding = key_positions.unsqueeze(0) >= meta.decode_context_lens.unsqueeze(1)  # [n, nb * bs]
-    scores = scores.float().mul_(scale).masked_fill_(padding.view(n, 1, 1, -1), float("-inf"))
+    padding = meta.decode_padding(bs).view(n, 1, 1, -1)
+    scores = scores.float().mul_(scale).masked_fill_(padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     probs = probs.view(n, h_kv, group, nb, bs).permute(0, 3, 1, 2, 4)  # [n, nb, H_kv, G, bs]
     out = torch.matmul(probs, v_cache[tables]).sum(dim=1)  # [n, H_kv, G, D]
@@ -109,12 +131,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         ks = k[span.start:span.end].transpose(0, 1)
         vs = v[span.start:span.end].transpose(0, 1)
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # query i sits at first_position + i and sees keys up to there
-        query_positions = torch.arange(span.first_position, span.context_len, device=q.device)
-        mask = torch.arange(span.context_len, device=q.device).unsqueeze(0) <= query_positions.unsqueeze(1)
+    else:  # continuing a cached context
         ks = _gather_context(k_cache[span.block_table].transpose(-1, -2), span)
         vs = _gather_context(v_cache[span.block_table], span)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.causal_mask(q.device), scale=scale,
+                                             enable_gqa=True)
     return out.transpose(0, 1)
 
 
