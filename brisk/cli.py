@@ -1,7 +1,8 @@
-"""The `brisk` command: generate, chat, bench.
+"""The `brisk` command: generate, chat, serve, bench.
 
-Engine flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-
-caching`, ...), so every command accepts the same options with the same names as `LLM(...)`.
+Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
+...) and, for `serve`, ServerConfig's, so every command accepts the same options with the same
+names as `LLM(...)`.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ import sys
 import types
 import typing
 from dataclasses import MISSING
+from typing import TypeVar
 
-from brisk.config import ConfigError, EngineConfig
+from brisk.config import ConfigError, EngineConfig, ServerConfig
 from brisk.engine.engine import LLMEngine
-from brisk.sampling_params import OutputKind, SamplingError, SamplingParams
+from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
+
+C = TypeVar("C", EngineConfig, ServerConfig)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in EngineConfig.knobs():
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], title: str) -> None:
+    """One flag per field of config_cls, with the field's default and help."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(config_cls)
+    for f in config_cls.knobs():
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not MISSING else None
@@ -30,8 +35,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=kind, default=default, help=f.metadata["help"])
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, EngineConfig, "engine options")
+
+
+def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
+    return config_cls(**{f.name: getattr(args, f.name) for f in config_cls.knobs()})
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in EngineConfig.knobs()})
+    return config_from_args(EngineConfig, args)
 
 
 def _base_type(hint) -> type:
@@ -43,9 +56,9 @@ def _base_type(hint) -> type:
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=256)
-    group.add_argument("--temperature", type=float, default=0.7)
-    group.add_argument("--top-p", type=float, default=0.9)
+    group.add_argument("--max-tokens", type=int, default=BRISK_DEFAULTS.max_tokens)
+    group.add_argument("--temperature", type=float, default=BRISK_DEFAULTS.temperature)
+    group.add_argument("--top-p", type=float, default=BRISK_DEFAULTS.top_p)
     group.add_argument("--top-k", type=int, default=0)
 
 
@@ -102,11 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from brisk.server.app import build_app
     from brisk.server.process import serve
 
+    server_config = config_from_args(ServerConfig, args)
     engine = AsyncEngine(engine_config_from_args(args))
-    app = build_app(engine, model_name=args.served_model_name, api_key=args.api_key,
-                    max_waiting_requests=args.max_waiting_requests)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level,
-          grace_seconds=args.shutdown_grace_seconds)
+    serve(build_app(engine, server_config), engine, server_config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,15 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (health, metrics open)")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API; default: the file name")
-    serve.add_argument("--max-waiting-requests", type=int, default=256,
-                       help="queued requests beyond which new ones get 429 with Retry-After")
-    serve.add_argument("--shutdown-grace-seconds", type=int, default=30,
-                       help="on SIGTERM, how long running requests may finish before being aborted")
-    serve.add_argument("--log-level", default="info")
+    add_config_arguments(serve, ServerConfig, "server options")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, SamplingError) as exc:
+    except (ConfigError, SamplingError) as exc:  # raised before any work starts
         print(f"brisk: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

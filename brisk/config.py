@@ -1,8 +1,9 @@
-"""EngineConfig: the one place every engine knob lives.
+"""EngineConfig and ServerConfig: the one place every knob lives.
 
-The CLI, the offline `LLM` API and (later) the server all build an EngineConfig; command-line
-flags are generated from these fields, so a knob is added here once and appears everywhere.
-Names follow vLLM's where vLLM has the same knob.
+The CLI, the offline `LLM` API and the server all build an EngineConfig; `brisk serve` adds a
+ServerConfig for what only the HTTP front end needs. Command-line flags are generated from
+these fields, so a knob is added here once and appears everywhere. Names follow vLLM's where
+vLLM has the same knob.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ class EngineConfig:
         None, "Exact number of KV blocks, overriding kv_cache_memory_gib (for tests and tuning)."
     )
     max_num_seqs: int = _knob(64, "Most sequences in one batch.")
-    max_num_batched_tokens: int = _knob(512, "Token budget of one engine step (prefill chunks + decodes).")
+    max_num_batched_tokens: int = _knob(
+        512, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in).")
+    attention_cost_context: int = _knob(
+        2048, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
+              "step budget prices a token at 1 + context / this (0: every token costs 1).")
     enable_chunked_prefill: bool = _knob(True, "Split long prompts across steps so decodes keep flowing.")
     enable_prefix_caching: bool = _knob(True, "Reuse KV blocks of prompts that share a prefix.")
     seed: int = _knob(0, "Seed of the sampler's random generator for requests without a seed.")
@@ -53,6 +58,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_cost_context < 0:
+            raise ConfigError(f"attention_cost_context must be >= 0, got {self.attention_cost_context}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -74,6 +81,45 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
         return _DTYPES[self.dtype]
+
+    @classmethod
+    def knobs(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP front end: where it listens, who may call it, and how much work it accepts."""
+
+    host: str = _knob("127.0.0.1", "Address to listen on.")
+    port: int = _knob(8000, "Port to listen on.")
+    api_key: str | None = _knob(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
+    admin_api_key: str | None = _knob(
+        None, "Key for admin routes (DELETE /v1/cache); default: api_key. Without either key they are open.")
+    served_model_name: str | None = _knob(None, "Model id in the API; default: the checkpoint's file name.")
+    max_waiting_seqs: int | None = _knob(
+        None, "Sequences (n counts n) that may wait for a batch slot before new requests get 429; "
+              "default: 8 x max_num_seqs.")
+    max_waiting_tokens: int | None = _knob(
+        None, "Prompt tokens (each sequence counted) that may wait before new requests get 429; "
+              "default: 32 x max_model_len.")
+    max_request_body_mb: float = _knob(16.0, "Largest request body accepted, in MiB; larger ones get 413.")
+    shutdown_grace_seconds: float = _knob(
+        30.0, "On SIGTERM, how long running requests may finish before they are ended with finish_reason abort.")
+    log_level: str = _knob("info", "uvicorn log level: critical, error, warning, info, debug.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_seqs", "max_waiting_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_request_body_mb > 0:
+            raise ConfigError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
+        if not self.shutdown_grace_seconds >= 0:
+            raise ConfigError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 2**20)
 
     @classmethod
     def knobs(cls) -> list[dataclasses.Field]:

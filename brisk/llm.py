@@ -27,6 +27,10 @@ class LLM:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        return cls(**{f.name: getattr(config, f.name) for f in fields(EngineConfig)})
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

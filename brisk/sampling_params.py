@@ -1,9 +1,21 @@
-"""SamplingParams: how one request is decoded, shaped like vLLM's so users can switch."""
+"""SamplingParams: how one request is decoded, shaped like vLLM's so users can switch.
+
+Every value is checked here, once, with an error naming the field: the engine and the sampler
+only ever see values they can compute with (finite, in range, seeds a generator accepts).
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
+
+# Below this temperature sampling is greedy (as in vLLM): dividing logits by a temperature this
+# small overflows fp32 and turns the distribution into NaNs.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 class SamplingError(ValueError):
@@ -12,6 +24,20 @@ class SamplingError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Defaults of brisk's own entry points: `brisk generate` / `brisk chat` and the service
+    endpoints /v1/generate and /v1/generate/batch. The OpenAI endpoints keep OpenAI's defaults
+    (temperature 1, top_p 1, ...), which clients of those endpoints rely on."""
+
+    max_tokens: int = 128
+    temperature: float = 0.7
+    top_p: float = 0.9
+
+
+BRISK_DEFAULTS = GenerationDefaults()
 
 
 class OutputKind(enum.Enum):
@@ -51,17 +77,25 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
 
     def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise SamplingError(name, f"must be a finite number, got {getattr(self, name)!r}")
+        low_rp, high_rp = REPETITION_PENALTY_RANGE
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("temperature", 0.0 <= self.temperature <= MAX_TEMPERATURE, f"must be in [0, {MAX_TEMPERATURE:g}]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 (off) or a positive integer"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
+            ("repetition_penalty", low_rp <= self.repetition_penalty <= high_rp, f"must be in [{low_rp:g}, {high_rp:g}]"),
+            ("seed", self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
@@ -80,10 +114,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate_for_model(self, vocab_size: int) -> None:
-        """Checks that need the model: token ids must exist in the vocabulary."""
+    def validate_for_model(self, vocab_size: int) -> "SamplingParams":
+        """Checks that need the model; returns the params to run with (top_k past the vocabulary
+        means no top-k), leaving the caller's object as it was."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise SamplingError("stop_token_ids", f"ids {bad} are outside the vocabulary of {vocab_size}")
-        if self.top_k > vocab_size:
-            self.top_k = 0
+            raise SamplingError("stop_token_ids", f"ids {bad[:5]} are outside the vocabulary of {vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) > vocab_size:
+                raise SamplingError(name, f"must be <= the vocabulary size {vocab_size}, got {getattr(self, name)}")
+        return replace(self, top_k=0) if self.top_k > vocab_size else self
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of the index-th of n completions: distinct, and still a valid seed."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index) % 2**64

@@ -1,8 +1,14 @@
-"""`brisk bench ...` subcommands."""
+"""`brisk bench ...` subcommands.
+
+Each takes every engine flag (the same builder as `brisk serve`); the defaults a benchmark
+changes are set in one `set_defaults` call next to its parser, where they can be read.
+"""
 
 from __future__ import annotations
 
 import argparse
+
+from brisk.cli import add_engine_arguments
 
 
 def add_bench_parser(sub) -> None:
@@ -10,36 +16,27 @@ def add_bench_parser(sub) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
 
     tp = kinds.add_parser("throughput", help="offline throughput vs transformers generate")
-    tp.add_argument("--model", default=None)
-    tp.add_argument("--dtype", default="float32")
     tp.add_argument("--num-prompts", type=int, default=64)
     tp.add_argument("--min-prompt-len", type=int, default=20)
     tp.add_argument("--max-prompt-len", type=int, default=500)
     tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--max-num-seqs", type=int, default=64)
-    tp.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                    help="step token budget; offline runs favour larger chunks than the server's 512")
-    tp.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
     tp.add_argument("--hf-single-prompts", type=int, default=8,
                     help="prompts run one at a time through transformers (a subset: it is slow)")
     tp.add_argument("--hf-batch-prompts", type=int, default=64)
     tp.add_argument("--hf-batch-size", type=int, default=16)
-    tp.add_argument("--seed", type=int, default=0)
-    tp.set_defaults(func=_throughput)
+    add_engine_arguments(tp)
+    # fp32 (the transformers baseline's dtype); offline runs favour larger chunks than the server's 512.
+    tp.set_defaults(func=_throughput, dtype="float32", max_num_batched_tokens=1024, kv_cache_memory_gib=2.0)
 
     px = kinds.add_parser("prefix", help="prefix caching on vs off: shared system prompt, multi-turn chat")
-    px.add_argument("--model", default=None)
-    px.add_argument("--dtype", default="float32")
     px.add_argument("--num-requests", type=int, default=32)
     px.add_argument("--system-len", type=int, default=1000)
     px.add_argument("--question-len", type=int, default=50)
     px.add_argument("--conversations", type=int, default=8)
     px.add_argument("--turns", type=int, default=6)
     px.add_argument("--output-len", type=int, default=32)
-    px.add_argument("--max-num-batched-tokens", type=int, default=512)
-    px.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
-    px.add_argument("--seed", type=int, default=0)
-    px.set_defaults(func=_prefix)
+    add_engine_arguments(px)
+    px.set_defaults(func=_prefix, dtype="float32", kv_cache_memory_gib=2.0)
 
 
 def _throughput(args: argparse.Namespace) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from brisk.cli import engine_config_from_args
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 
@@ -89,8 +90,7 @@ def multi_turn_chat(llm: LLM, caching: bool, conversations: int, turns: int, out
 def main(args) -> None:
     results = []
     for caching in (False, True):
-        llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=caching,
-                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory_gib)
+        llm = LLM.from_config(replace(engine_config_from_args(args), enable_prefix_caching=caching))
         llm.generate({"prompt_token_ids": [100, 200, 300]}, SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         results.append(shared_system_prompt(llm, caching, args.num_requests, args.system_len, args.question_len,
                                             args.output_len, args.seed))

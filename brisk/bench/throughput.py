@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.bench.hf_baseline import hf_generate, load_hf_model
+from brisk.cli import engine_config_from_args
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 
@@ -77,8 +78,7 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def main(args) -> None:
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory_gib)
+    llm = LLM.from_config(engine_config_from_args(args))
     vocab = llm.engine.spec.vocab_size
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.seed)
     print(f"model: {llm.engine.checkpoint.path} ({args.dtype}), threads: {torch.get_num_threads()}")

@@ -1,14 +1,15 @@
 """AsyncEngine: the step loop on a background thread, outputs streamed to asyncio callers.
 
-The engine is single-threaded by design: only the loop thread touches it. Callers post
-commands (add, abort) to an inbox and receive outputs through per-request asyncio queues fed
-with `loop.call_soon_threadsafe`, so the event loop never waits on a model step (torch releases
+The engine is single-threaded by design: only the loop thread touches it. Callers post typed
+commands to an inbox and receive outputs through per-request asyncio queues fed with
+`loop.call_soon_threadsafe`, so the event loop never waits on a model step (torch releases
 the GIL inside its ops, leaving the event loop free to serve HTTP).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -16,16 +17,16 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from brisk.config import EngineConfig
-from brisk.engine.engine import LLMEngine, Prompt
+from brisk.engine.client import EngineClient, EngineDeadError, ModelInfo, QueueLoad
+from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
+from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.sampling_params import SamplingParams
 
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop stopped (it crashed or was shut down); no request can make progress."""
+logger = logging.getLogger("brisk.engine")
 
 
 @dataclass
@@ -33,8 +34,36 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item) -> None:
+    def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+# ----- commands to the loop thread ---------------------------------------------------------------
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    load: QueueLoad  # what this request adds to the queue until the loop picks it up
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _AbortAll:
+    pass
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 class RequestStream:
@@ -79,18 +108,23 @@ class RequestStream:
         self._close(abort=True)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config or EngineConfig())
+        self.model_info = ModelInfo.of(self.engine)
+        self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._pending = QueueLoad(0, 0)  # added but not yet drained by the loop thread
+        self._pending_lock = threading.Lock()
         self._stopping = False
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="brisk-engine", daemon=True)
         self._thread.start()
 
+    # ----- EngineClient -----------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
@@ -99,53 +133,77 @@ class AsyncEngine:
         """Alive, and either idle or having finished a step within `stall_seconds`."""
         return self.is_alive and time.monotonic() - self.last_step_time < stall_seconds
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests not yet running: queued in the scheduler or still in the inbox."""
-        return len(self.engine.scheduler.waiting) + self._inbox.qsize()
+    def queue_load(self) -> QueueLoad:
+        """Sequences and prompt tokens waiting: in the scheduler's queue or still in the inbox.
+        Read without a lock from the loop thread's counters: an estimate, exact when idle."""
+        scheduler = self.engine.scheduler
+        pending = self._pending
+        return QueueLoad(pending.num_seqs + len(scheduler.waiting),
+                         pending.num_tokens + scheduler.num_waiting_tokens)
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
+                 prompt: str | None = None, cache_salt: str | None = None) -> RequestStream:
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running") from self.error
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = self.engine.validate(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        load = QueueLoad(params.n, params.n * len(prompt_token_ids))
+        self._add_pending(load, +1)
+        self._post(_Add(request_id, prompt, list(prompt_token_ids), params, cache_salt, load))
+        return RequestStream(self, request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        self._post(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        self._post(_AbortAll())
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the loop thread between steps; the only safe way to touch engine state."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._post(("call", fn, loop, future))
+        self._post(_Call(fn, loop, future))
         return await future
 
-    def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                 cache_salt: str | None = None) -> RequestStream:
-        """Queues a request and returns the async iterator of its outputs (call from the event loop).
+    async def stats(self) -> EngineSnapshot:
+        return await self.call(lambda e: e.snapshot())
 
-        Validation happens here, before anything is queued, so a bad request raises at once
-        (SamplingError) and a server can answer 400 before starting a response. Iterate the
-        result to the end, or close it: leaving early aborts the request and frees its blocks.
-        """
-        if not self.is_alive:
-            raise EngineDeadError("the engine loop is not running") from self.error
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.engine.tokenize(prompt)
-        self.engine.validate(token_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._post(("add", {"prompt": text, "prompt_token_ids": token_ids}, params, request_id, cache_salt))
-        return RequestStream(self, request_id, stream)
+    async def clear_prefix_cache(self) -> int:
+        return await self.call(lambda e: e.kv.evict_unused_cached_blocks())
 
-    def _forget(self, request_id: str, abort: bool) -> None:
-        self._streams.pop(request_id, None)
-        if abort:
-            self.abort(request_id)
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self.engine.stat_loggers.append(stat_logger)  # list append is atomic: the loop may be iterating
 
-    def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+    def remove_stat_logger(self, stat_logger: StatLogger) -> None:
+        self.engine.stat_loggers.remove(stat_logger)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
 
-    def _post(self, command: tuple) -> None:
+    # ----- the loop thread ---------------------------------------------------------------------
+    def _forget(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self.abort(request_id)
+
+    def _post(self, command: _Add | _Abort | _AbortAll | _Call) -> None:
         self._inbox.put(command)
         self._wakeup.set()
+
+    def _add_pending(self, load: QueueLoad, sign: int) -> None:
+        with self._pending_lock:
+            self._pending = QueueLoad(self._pending.num_seqs + sign * load.num_seqs,
+                                      self._pending.num_tokens + sign * load.num_tokens)
+
+    def _deliver(self, output: RequestOutput | None) -> None:
+        stream = self._streams.get(output.request_id) if output is not None else None
+        if stream is not None:
+            stream.put(output)
 
     def _run(self) -> None:
         try:
@@ -157,11 +215,10 @@ class AsyncEngine:
                     self._wakeup.clear()
                     continue
                 for output in self.engine.step():
-                    stream = self._streams.get(output.request_id)
-                    if stream is not None:
-                        stream.put(output)
+                    self._deliver(output)
                 self.last_step_time = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller, then re-raised
+            logger.exception("the engine loop failed")
             self.error = exc
             raise
         finally:
@@ -175,20 +232,38 @@ class AsyncEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "abort":
-                self.engine.abort_request(command[1])
-                continue
-            if command[0] == "call":
-                _, fn, loop, future = command
-                try:
-                    loop.call_soon_threadsafe(future.set_result, fn(self.engine))
-                except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                    loop.call_soon_threadsafe(future.set_exception, exc)
-                continue
-            _, prompt, params, request_id, cache_salt = command
-            try:
-                self.engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
-            except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    stream.put(exc)
+            match command:
+                case _Add():
+                    self._add(command)
+                case _Abort(request_id=request_id):
+                    self.engine.abort_request(request_id)
+                case _AbortAll():
+                    for request_id in self.engine.request_ids:
+                        self._deliver(self.engine.abort_request(request_id))
+                case _Call(fn=fn, loop=loop, future=future):
+                    try:
+                        loop.call_soon_threadsafe(_settle, future, fn(self.engine), None)
+                    except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                        loop.call_soon_threadsafe(_settle, future, None, exc)
+
+    def _add(self, command: _Add) -> None:
+        self._add_pending(command.load, -1)
+        if command.request_id not in self._streams:
+            return  # its caller left before the loop got here
+        try:
+            self.engine.add_request({"prompt": command.prompt, "prompt_token_ids": command.prompt_token_ids},
+                                    command.params, request_id=command.request_id, cache_salt=command.cache_salt)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
+            logger.exception("request %s could not be added", command.request_id)
+            stream = self._streams.get(command.request_id)
+            if stream is not None:
+                stream.put(exc)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():  # the caller stopped waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

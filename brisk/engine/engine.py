@@ -39,7 +39,7 @@ class LLMEngine:
         self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.attention_cost_context)
         self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device, config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
@@ -67,7 +67,7 @@ class LLMEngine:
         """Queues a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its id."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
+        params = self.validate(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = [
             Request(
@@ -99,7 +99,8 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raises SamplingError naming what is wrong; returns the params to run the request with."""
         if not token_ids:
             raise SamplingError("prompt", "is empty")
         if len(token_ids) >= self.max_model_len:
@@ -108,25 +109,34 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise SamplingError("prompt_token_ids", f"{bad[:5]} are outside the vocabulary of {self.spec.vocab_size}")
-        params.validate_for_model(self.spec.vocab_size)
+        return params.validate_for_model(self.spec.vocab_size)
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         """Each of n completions is its own sequence: distinct seeds, prompt logprobs only once."""
         if params.n == 1:
             return params
-        seed = None if params.seed is None else params.seed + index
-        return replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+        return replace(params, n=1, seed=params.child_seed(index),
+                       prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request wherever it is; returns its last output (finish_reason "abort"), or None
+        if it had already finished or never existed."""
         children = [self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
                     for child_id in self.output_processor.child_ids(request_id)]
-        self.output_processor.abort(request_id)
+        now = time.monotonic()
+        output = self.output_processor.abort(request_id, now)
         first = next((c for c in children if c is not None), None)
         if first is not None:
             t = first.times
             self._log(IterationStats(finished=[FinishedRequestStats.at(
-                "abort", time.monotonic(), t.arrival, t.first_scheduled, first.num_prompt_tokens)]))
+                "abort", now, t.arrival, t.first_scheduled, first.num_prompt_tokens)]))
+        return output
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Ids of the user requests still in the engine."""
+        return self.output_processor.request_ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests

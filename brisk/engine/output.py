@@ -146,10 +146,21 @@ class OutputProcessor:
                 self._forget(state)
         return outputs, stopped
 
-    def abort(self, request_id: str) -> None:
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._states)
+
+    def abort(self, request_id: str, now: float) -> RequestOutput | None:
+        """Finishes every unfinished completion of the request with "abort"; returns the final output."""
         state = self._states.get(request_id)
-        if state is not None:
-            self._forget(state)
+        if state is None:
+            return None
+        for seq in state.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = RequestStatus.FINISHED_ABORTED.value
+        output = self._output(state, now)
+        self._forget(state)
+        return output
 
     def _advance(self, state: _RequestState, seq: _Sequence, request: Request, token_logprobs) -> bool:
         token = request.token_ids[-1]

@@ -1,23 +1,66 @@
 """Continuous batching: which requests advance by how many tokens in the next step.
 
-Every step has a token budget (max_num_batched_tokens). Running requests are served first, in
-admission order: a decode needs one token, an unfinished prompt takes as much of the budget as
-is left (chunked prefill). Waiting requests are admitted with what remains, up to max_num_seqs.
+Every step has a budget (max_num_batched_tokens) counted in token-equivalents, not tokens: a
+token attending to c cached tokens costs 1 + c / attention_cost_context (StepCost). On a CPU a
+512-token chunk at 7,500 tokens of context takes several times as long as one at the start of a
+prompt, so a fixed token cap would make a long prompt's late chunks take seconds each; priced
+this way, a long prompt's chunks shrink as its context grows and every step takes about as long.
+
+Order within a step (no phases: every request just has tokens left to compute):
+  1. decodes of running requests (one token each; what keeps streams flowing);
+  2. prefills that can finish in this step, running ones first, then waiting ones in arrival
+     order: a short request that arrives behind a long prompt is admitted at the next step and
+     gets its first token from it, instead of waiting out the long prefill;
+  3. what budget is left goes to the prefills that cannot finish, oldest first, as chunks.
+While some prefill cannot finish in one step, step 2 keeps a quarter of the budget back for
+step 3, so a stream of short arrivals can slow a long prompt down but never stop it.
 
 When the block pool cannot hold a running request's next tokens, the newest running request
 is preempted: its blocks go back to the pool and it returns to the head of the waiting queue,
 to be recomputed later (its full blocks usually survive in the prefix cache, so the recompute
-is cheap). A request therefore never fails for lack of KV memory; it only waits.
+is cheap). A request therefore never fails for lack of KV memory; it only waits. Waiting
+requests never preempt anyone.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The price of computing tokens, in token-equivalents (see the module docstring).
+    attention_cost_context = 0 prices every token at 1: a plain token budget."""
+
+    attention_cost_context: int
+
+    def __call__(self, num_new_tokens: int, num_computed_tokens: int) -> float:
+        if not self.attention_cost_context:
+            return float(num_new_tokens)
+        # Token i of the chunk attends to num_computed + i + 1 keys; their mean is below.
+        mean_context = num_computed_tokens + (num_new_tokens + 1) / 2
+        return num_new_tokens * (1.0 + mean_context / self.attention_cost_context)
+
+    def max_tokens(self, budget: float, num_computed_tokens: int, limit: int) -> int:
+        """The most tokens (at most limit) whose cost fits in budget: the positive root of
+        n^2 / 2K + n (1 + (c + 1/2) / K) = budget, in the form that does not cancel for large K."""
+        if budget <= 0:
+            return 0
+        k = self.attention_cost_context
+        if not k:
+            return min(int(budget), limit)
+        a, b = 1 / (2 * k), 1 + (num_computed_tokens + 0.5) / k
+        n = int(2 * budget / (b + math.sqrt(b * b + 4 * a * budget)) + 1e-9)
+        while n > 0 and self(n, num_computed_tokens) > budget:  # float rounding at the boundary
+            n -= 1
+        return min(n, limit)
 
 
 @dataclass
@@ -54,15 +97,17 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, attention_cost_context: int = 2048):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.cost = StepCost(attention_cost_context)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.num_waiting_tokens = 0  # prompt tokens of the waiting requests, for admission control
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -72,55 +117,102 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens - self._schedule_decodes(out)
         if not out.preempted:  # memory is short: admitting more would only preempt again
-            self._admit_waiting(out, budget)
+            self._schedule_prefills(out, budget)
         if out.chunks:
             self.stats.num_steps += 1
             self.stats.num_batched_tokens += out.num_batched_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    return budget
-            out.chunks.append(ScheduledChunk(request, n))
-            budget -= n
-            i += 1
-        return budget
+    def _schedule_decodes(self, out: SchedulerOutput) -> float:
+        """Schedules every running request that has one token left to compute; returns their cost."""
+        cost = 0.0
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or request.num_tokens - request.num_computed_tokens != 1:
+                continue  # preempted a moment ago, or a prefill
+            if self._allocate_running(request, 1, out):
+                out.chunks.append(ScheduledChunk(request, 1))
+                cost += self.cost(1, request.num_computed_tokens)
+        return cost
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+    def _allocate_running(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocates for a running request, preempting the newest running ones until it fits;
+        False if the request itself had to go."""
+        while not self.kv.allocate(request, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            out.chunks = [c for c in out.chunks if c.request is not victim]  # a decode scheduled above
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: float) -> None:
+        candidates = [_Prefill(r, r.num_computed_tokens, ()) for r in self.running
+                      if r.num_tokens - r.num_computed_tokens > 1]
+        seats = self.max_num_seqs - len(self.running)
+        for request in itertools.islice(self.waiting, max(seats, 0)):
             cached = self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
-            n = request.num_tokens - num_cached
-            if n > budget:
-                if not self.enable_chunked_prefill:
+            candidates.append(_Prefill(request, len(cached) * self.kv.block_size, cached))
+        long = [c for c in candidates if self.cost(c.remaining, c.num_computed) > budget]
+        reserve = budget / 4 if long and self.enable_chunked_prefill else 0.0
+        admitting = True  # waiting requests are admitted in arrival order until one does not fit
+        for c in candidates:  # prefills that finish in this step
+            cost = self.cost(c.remaining, c.num_computed)
+            if cost <= budget - reserve and (c.running or admitting):
+                if self._start_prefill(c, c.remaining, out):
+                    budget -= cost
+                elif not c.running:
+                    admitting = False
+                if out.preempted:  # memory is short: stop here
                     return
-                n = budget
-            if not self.kv.allocate(request, n, cached):
+        for c in candidates:  # chunks of the rest, oldest first
+            if c.scheduled or (not c.running and not admitting):
+                continue
+            if self.enable_chunked_prefill:
+                n = self.cost.max_tokens(budget, c.num_computed, c.remaining)
+            else:  # a whole prompt, alone if it is over the budget
+                n = c.remaining if not any(x.scheduled for x in candidates) else 0
+            if n == 0:
                 return
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-                request.times.first_scheduled = time.monotonic()
-            self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, n))
-            budget -= n
+            if not self._start_prefill(c, n, out) and not c.running or out.preempted:
+                return
+            budget -= self.cost(n, c.num_computed)
+
+    def _start_prefill(self, c: "_Prefill", n: int, out: SchedulerOutput) -> bool:
+        request = c.request
+        if c.running:
+            if not self._allocate_running(request, n, out):
+                return False
+        elif len(self.running) >= self.max_num_seqs or not self.kv.allocate(request, n, c.cached):
+            return False
+        else:
+            self._admit(request, c.num_computed)
+        c.scheduled = True
+        out.chunks.append(ScheduledChunk(request, n))
+        return True
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        self.waiting.remove(request)
+        self.num_waiting_tokens -= request.num_tokens
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+            request.times.first_scheduled = time.monotonic()
+        self.running.append(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+        self.num_waiting_tokens += request.num_tokens
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -128,7 +220,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Records a finished step: computed tokens, newly sampled tokens, finished requests.
@@ -154,14 +246,34 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        was_waiting = request.status is RequestStatus.WAITING
         request.status = status
-        self._remove(request)
+        self._remove(request, was_waiting)
         return request
 
-    def _remove(self, request: Request) -> None:
+    def _remove(self, request: Request, was_waiting: bool = False) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
+        if was_waiting:
             self.waiting.remove(request)
+            self.num_waiting_tokens -= request.num_tokens
+        else:
+            self.running.remove(request)
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """A request with prompt tokens left to compute, as step 2 and 3 of schedule() see it."""
+
+    request: Request
+    num_computed: int  # tokens with K/V once it runs (a waiting request's prefix-cache hit)
+    cached: tuple | list  # a waiting request's prefix-cache hit blocks
+    scheduled: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.request.status is RequestStatus.RUNNING
+
+    @property
+    def remaining(self) -> int:
+        return self.request.num_tokens - self.num_computed

@@ -38,8 +38,18 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    @cached_property
+    def bos_token_id(self) -> int | None:
+        bos = self.special_tokens.get("bos_token")
+        return None if bos is None else self.backend.token_to_id(bos)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Like encode, but `tokenizers` releases the GIL for batches (not for single texts): call
+        this from a worker thread to keep the event loop running during a long tokenization."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

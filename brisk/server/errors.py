@@ -1,18 +1,45 @@
 """OpenAI-style errors: every failure is `{"error": {"message", "type", "param", "code"}}`.
 
 FastAPI answers a malformed body with 422 and its own shape; OpenAI clients expect 400 and
-this one, so validation errors are translated here too.
+this one, so validation errors are translated here too. Error bodies are written as ASCII JSON:
+a message may quote what the client sent, and that may not even be encodable as UTF-8.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from brisk.engine.async_engine import EngineDeadError
+from brisk.engine.client import EngineDeadError
 from brisk.sampling_params import SamplingError
+
+logger = logging.getLogger("brisk.server")
+_FIELD = re.compile(r"^\w+$")  # a field name or index, not the name of a union branch pydantic tried
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (documented in the OpenAPI schema)."""
+
+    error: ErrorDetail
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -28,19 +55,24 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 def _respond(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.message, error.type, error.param, error.code), status_code=error.status,
-                        headers=error.headers)
+    return _ASCIIJSONResponse(error_body(error.message, error.type, error.param, error.code),
+                              status_code=error.status, headers=error.headers)
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and _FIELD.match(str(part))]
     if first.get("type") == "json_invalid":
         message = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
     else:
         where = ".".join(location) or "body"
         message = f"{where}: {first.get('msg', 'invalid value')}"
     return _respond(APIError(400, message, param=location[0] if location else None))
+
+
+def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.error("unexpected error answering a request", exc_info=exc)
+    return _respond(APIError(500, f"Internal error: {type(exc).__name__}.", type="server_error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -52,3 +84,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, lambda _, exc: _respond(
         APIError(exc.status_code, str(exc.detail), type="not_found_error" if exc.status_code == 404 else
                  "invalid_request_error", headers=getattr(exc, "headers", None))))
+    app.add_exception_handler(Exception, _unexpected)

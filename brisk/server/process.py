@@ -1,26 +1,46 @@
-"""Running the app under uvicorn, with a SIGTERM that ends in exit status 0.
+"""Running the app under uvicorn, with a SIGTERM that ends every response cleanly and exits 0.
 
-On SIGTERM uvicorn stops accepting connections, lets running requests finish for up to the
-grace period (then cancels them, which aborts their engine requests and frees their blocks),
-and runs the app's shutdown, which stops the engine loop. Recent uvicorn then re-raises the
-signal so the process dies of it; for a server asked to stop, a graceful stop is a success.
+On SIGTERM uvicorn stops accepting connections and waits for the running requests. Those still
+running when the grace period ends are ended by the engine (abort_all): each gets a last output
+with finish_reason "abort", so a streamed response sends its final chunk and `data: [DONE]`
+instead of being cut mid-body, and a non-streamed one answers with what it has. Then the app's
+shutdown stops the engine. Recent uvicorn re-raises the signal after shutting down so the
+process dies of it; for a server asked to stop, a graceful stop is a success.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import uvicorn
 
+from brisk.config import ServerConfig
+from brisk.engine.client import EngineClient
+
+# Once the engine has ended every request, how long responses get to send their last bytes.
+_FLUSH_SECONDS = 5.0
+
 
 class _GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace_seconds: float):
+        super().__init__(config)
+        self.engine, self.grace_seconds = engine, grace_seconds
+
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM and sig in self._captured_signals:
             self._captured_signals.remove(sig)  # not re-raised after the graceful shutdown: exit 0
 
+    async def shutdown(self, sockets=None) -> None:
+        deadline = asyncio.get_running_loop().call_later(self.grace_seconds, self.engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
-def serve(app, *, host: str, port: int, log_level: str, grace_seconds: int) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=grace_seconds)
-    _GracefulServer(config).run()
+
+def serve(app, engine: EngineClient, config: ServerConfig) -> None:
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                    timeout_graceful_shutdown=config.shutdown_grace_seconds + _FLUSH_SECONDS)
+    _GracefulServer(uvicorn_config, engine, config.shutdown_grace_seconds).run()

@@ -4,15 +4,33 @@ OpenAI's shapes for /v1/chat/completions and /v1/completions, plus the sampling 
 adds (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, ...), and brisk's own
 /v1/generate endpoints. Fields OpenAI defines but brisk ignores (user, logit_bias, ...) are
 accepted, as OpenAI's API accepts them; a value brisk cannot honour is rejected with 400.
+
+Limits that protect the server live here too: at most 128 completions (`n`, OpenAI's own
+limit) and 128 prompts per request, and no text with unpaired UTF-16 surrogates (JSON can
+carry "\\ud800", but no tokenizer or UTF-8 encoder can take it).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from brisk.sampling_params import OutputKind, SamplingParams
+from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
+
+MAX_N = 128  # completions per request, as OpenAI allows
+MAX_PROMPTS = 128  # prompts per /v1/completions or /v1/generate/batch request
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_surrogates(text: str) -> str:
+    if not text.isascii() and _SURROGATE.search(text):
+        raise ValueError("contains an unpaired UTF-16 surrogate, which is not valid Unicode text")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_surrogates)]
 
 
 class _Body(BaseModel):
@@ -25,13 +43,13 @@ class StreamOptions(_Body):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def as_template_message(self) -> dict:
         """Content parts are joined into one string, which is what the chat templates expect."""
@@ -40,16 +58,16 @@ class ChatMessage(_Body):
 
 
 class _SamplingFields(_Body):
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None)
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling fields
@@ -99,7 +117,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | list[int] | \
+        Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False  # echoing the prompt back is not supported
@@ -118,14 +137,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class GenerateRequest(_Body):
-    prompt: str = Field(min_length=1)
-    max_tokens: int = 128
-    temperature: float = 0.7
+    prompt: Annotated[Text, Field(min_length=1)]
+    max_tokens: int = BRISK_DEFAULTS.max_tokens
+    temperature: float = BRISK_DEFAULTS.temperature
     stream: bool = False
     optimization: Literal["none", "basic", "full"] = "basic"
 
 
 class GenerateBatchRequest(_Body):
-    prompts: list[str] = Field(min_length=1)
-    max_tokens: int = 128
-    temperature: float = 0.7
+    prompts: list[Annotated[Text, Field(min_length=1)]] = Field(min_length=1, max_length=MAX_PROMPTS)
+    max_tokens: int = BRISK_DEFAULTS.max_tokens
+    temperature: float = BRISK_DEFAULTS.temperature

@@ -25,8 +25,8 @@ def async_engine(real_llm):
     assert not engine._thread.is_alive()
 
 
-def _prompt(llm, text: str) -> dict:
-    return {"prompt_token_ids": llm.tokenizer.encode_chat([{"role": "user", "content": text}])}
+def _prompt(llm, text: str) -> list[int]:
+    return llm.tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
 async def _collect(engine: AsyncEngine, prompt, request_id: str, params=STREAM):
@@ -83,7 +83,7 @@ def test_leaving_a_stream_early_aborts_the_request(real_llm, async_engine):
 
 def test_invalid_requests_fail_before_reaching_the_engine(async_engine):
     async def main():
-        async for _ in async_engine.generate({"prompt_token_ids": [5] * 5000}, STREAM, "too-long"):
+        async for _ in async_engine.generate([5] * 5000, STREAM, "too-long"):
             pass
 
     with pytest.raises(SamplingError, match="prompt"):

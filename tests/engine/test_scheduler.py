@@ -8,8 +8,10 @@ from brisk.engine.scheduler import Scheduler
 from brisk.sampling_params import SamplingParams
 
 
-def _scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, prefix=True) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, block_size, prefix), max_num_seqs, budget, chunked)
+def _scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, prefix=True,
+               attention_cost_context=0) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size, prefix), max_num_seqs, budget, chunked,
+                     attention_cost_context)
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int = 4, first_token: int = 0) -> Request:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
+from brisk.config import ServerConfig
 from brisk.engine.async_engine import AsyncEngine
 from brisk.server.app import build_app
 
@@ -26,9 +27,10 @@ def free_port() -> str:
 
 
 @contextmanager
-def running_server(engine: AsyncEngine, **app_options):
-    """Serves `engine` on a free port until the block ends; yields the base URL."""
-    app = build_app(engine, owns_engine=False, **app_options)
+def running_server(engine: AsyncEngine, **server_options):
+    """Serves `engine` on a free port until the block ends (ServerConfig fields as keywords);
+    yields the base URL."""
+    app = build_app(engine, ServerConfig(**server_options), owns_engine=False)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -61,5 +63,5 @@ def offline_expectations():
 
 @pytest.fixture(scope="module")
 def base_url(real_async_engine):
-    with running_server(real_async_engine, model_name="smollm2") as url:
+    with running_server(real_async_engine, served_model_name="smollm2") as url:
         yield url

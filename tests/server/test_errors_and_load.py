@@ -77,7 +77,7 @@ def test_the_engine_keeps_serving_after_errors(http):
 
 
 def test_api_key(real_async_engine):
-    with running_server(real_async_engine, model_name="smollm2", api_key="s3cret") as url:
+    with running_server(real_async_engine, served_model_name="smollm2", api_key="s3cret") as url:
         with httpx.Client(base_url=url, timeout=60) as client:
             _error(client.get("/v1/models"), 401)
             _error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
@@ -91,7 +91,7 @@ def test_a_full_waiting_queue_answers_429_with_retry_after(tmp_path):
     engine = AsyncEngine(EngineConfig(model=folder, dtype="float32", max_num_seqs=1, num_kv_blocks=64,
                                       max_model_len=256))
     try:
-        with running_server(engine, max_waiting_requests=2) as url:
+        with running_server(engine, max_waiting_seqs=2) as url:
             async def flood():
                 async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                     body = {"prompt": "w3 w4 w5", "max_tokens": 200, "ignore_eos": True}

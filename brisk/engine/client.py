@@ -1,0 +1,120 @@
+"""EngineClient: everything a server needs from an engine, and nothing more.
+
+The HTTP layer is written against this interface alone. The in-thread AsyncEngine implements
+it today; an engine-core process and Ray replicas will implement it too, and the server will
+not change for them. What cannot change while an engine runs (the model, its limits, the
+tokenizer) is captured once, at construction, so reading it never crosses a thread or a socket.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
+
+from brisk.engine.output import RequestOutput
+from brisk.engine.stats import EngineSnapshot, StatLogger
+from brisk.model.tokenizer import Tokenizer
+from brisk.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from brisk.engine.engine import LLMEngine
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (it crashed or was shut down); no request can make progress."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What is served and within which limits."""
+
+    name: str  # the checkpoint's file or folder name (never its path on the server)
+    format: str  # "gguf" or "safetensors"
+    architecture: str
+    parameters: int
+    dtype: str
+    device: str
+    quantization: str | None  # how the file stores its weights, e.g. "Q4_1"; None for float files
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+
+    @classmethod
+    def of(cls, engine: "LLMEngine") -> "ModelInfo":
+        spec, config = engine.spec, engine.config
+        return cls(
+            name=os.path.basename(engine.checkpoint.path.rstrip("/")).removesuffix(".gguf"),
+            format=engine.checkpoint.format, architecture=spec.architecture,
+            parameters=sum(p.numel() for p in engine.model.parameters()),
+            dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
+            quantization=engine.checkpoint.quantization, max_model_len=engine.max_model_len,
+            vocab_size=spec.vocab_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+            num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
+            num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+        )
+
+
+@dataclass(frozen=True)
+class QueueLoad:
+    """Work accepted but not yet running: what admission control bounds."""
+
+    num_seqs: int  # sequences (a request with n completions counts n)
+    num_tokens: int  # their prompt tokens, each sequence counted
+
+
+class EngineClient(abc.ABC):
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+
+    @abc.abstractmethod
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
+                 prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queues a request; returns the async iterator of its outputs (call from the event loop).
+
+        Validates first, so a bad request raises SamplingError before anything is queued and a
+        server can answer 400 before starting a response. Leaving the iterator early (closing
+        it, or cancelling the task reading it) aborts the request. An engine that dies ends
+        every open iterator with EngineDeadError; abort_all() ends each with a final output
+        whose finish_reason is "abort".
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def abort_all(self) -> None:
+        """Ends every request at the next step boundary, each with a final "abort" output."""
+
+    @abc.abstractmethod
+    def queue_load(self) -> QueueLoad: ...
+
+    @abc.abstractmethod
+    async def stats(self) -> EngineSnapshot: ...
+
+    @abc.abstractmethod
+    async def clear_prefix_cache(self) -> int:
+        """Drops every cached prefix block no running request holds; returns how many."""
+
+    @abc.abstractmethod
+    def is_healthy(self) -> bool: ...
+
+    @abc.abstractmethod
+    def add_stat_logger(self, logger: StatLogger) -> None: ...
+
+    @abc.abstractmethod
+    def remove_stat_logger(self, logger: StatLogger) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...

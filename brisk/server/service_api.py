@@ -1,0 +1,126 @@
+"""brisk's own service endpoints, in the shapes the project's seed documents asked for:
+
+    POST   /v1/generate          {prompt, max_tokens, temperature, stream, optimization}
+    POST   /v1/generate/batch    {prompts, max_tokens, temperature}, run concurrently
+    GET    /v1/cache/stats       KV blocks and prefix-cache figures
+    DELETE /v1/cache             evicts every cached prefix block no request holds (admin key)
+    GET    /v1/model/info        what is served, and how
+
+Sampling defaults here are brisk's (BRISK_DEFAULTS, shared with the CLI), not OpenAI's.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from brisk.engine.output import RequestOutput
+from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
+from brisk.server.protocol import GenerateBatchRequest, GenerateRequest
+from brisk.server.serving import Serving, sse
+
+ADMIN_ROUTES = {("DELETE", "/v1/cache")}
+
+
+def service_router(serving: Serving) -> APIRouter:
+    router = APIRouter()
+    api = ServiceAPI(serving)
+    router.add_api_route("/v1/generate", api.generate, methods=["POST"])
+    router.add_api_route("/v1/generate/batch", api.generate_batch, methods=["POST"])
+    router.add_api_route("/v1/cache/stats", api.cache_stats, methods=["GET"])
+    router.add_api_route("/v1/cache", api.clear_cache, methods=["DELETE"])
+    router.add_api_route("/v1/model/info", api.model_info, methods=["GET"])
+    return router
+
+
+class ServiceAPI:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        self.engine = serving.engine
+
+    def _params(self, max_tokens: int, temperature: float, prompt_len: int, param: str,
+                kind: OutputKind) -> SamplingParams:
+        return SamplingParams(temperature=temperature, top_p=BRISK_DEFAULTS.top_p, output_kind=kind,
+                              max_tokens=self.serving.max_tokens(max_tokens, prompt_len, param))
+
+    async def generate(self, body: GenerateRequest, http: Request) -> Response:
+        start = time.monotonic()
+        [prompt_ids] = await self.serving.tokenize([body.prompt], "prompt")
+        params = self._params(body.max_tokens, body.temperature, len(prompt_ids), "prompt",
+                              OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+        # optimization=none: a private cache salt, so the prompt reuses no cached blocks and shares none.
+        salt = uuid.uuid4().hex if body.optimization == "none" else None
+        [stream] = await self.serving.submit([prompt_ids], [params], f"gen-{uuid.uuid4().hex}", salt)
+
+        def result(text: str, tokens: int) -> dict:
+            return {"text": text, "tokens_generated": tokens, "latency_ms": (time.monotonic() - start) * 1000,
+                    "optimization_used": body.optimization}
+
+        if body.stream:
+            async def events(outputs: AsyncIterator[RequestOutput]):
+                text, tokens = [], 0
+                async for out in outputs:
+                    delta = out.outputs[0]
+                    text.append(delta.text)
+                    tokens += len(delta.token_ids)
+                    yield {"text": delta.text}
+                yield {**result("".join(text), tokens), "done": True}
+
+            return sse(events(stream))
+        finals = await self.serving.collect(http, [stream])
+        if finals is None:
+            return Response(status_code=499)
+        completion = finals[0].outputs[0]
+        return JSONResponse(result(completion.text, len(completion.token_ids)))
+
+    async def generate_batch(self, body: GenerateBatchRequest, http: Request) -> Response:
+        start = time.monotonic()
+        prompts = await self.serving.tokenize(body.prompts, "prompts")
+        params = [self._params(body.max_tokens, body.temperature, len(ids), f"prompts[{i}]", OutputKind.FINAL_ONLY)
+                  for i, ids in enumerate(prompts)]
+        streams = await self.serving.submit(prompts, params, f"batch-{uuid.uuid4().hex}")
+        finals = await self.serving.collect(http, streams)
+        if finals is None:
+            return Response(status_code=499)
+        seconds = time.monotonic() - start
+        results = [{"text": f.outputs[0].text, "tokens_generated": len(f.outputs[0].token_ids),
+                    "finish_reason": f.outputs[0].finish_reason} for f in finals]
+        total = sum(r["tokens_generated"] for r in results)
+        return JSONResponse({"results": results, "total_latency_ms": seconds * 1000,
+                             "throughput_tokens_per_sec": total / seconds if seconds > 0 else 0.0})
+
+    async def cache_stats(self) -> dict:
+        s = await self.engine.stats()
+        info = self.engine.model_info
+        return {
+            "kv_cache": {"block_size": info.block_size, "total_blocks": s.num_kv_blocks,
+                         "used_blocks": s.num_kv_blocks - s.num_free_kv_blocks, "free_blocks": s.num_free_kv_blocks,
+                         "usage": s.kv_cache_usage},
+            "prefix_cache": {"enabled": info.enable_prefix_caching,
+                             "cached_blocks": s.num_cached_blocks, "queries_tokens": s.prefix_cache_queries,
+                             "hits_tokens": s.prefix_cache_hits,
+                             "hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+                             "evictions": s.prefix_cache_evictions},
+        }
+
+    async def clear_cache(self) -> dict:
+        return {"evicted_blocks": await self.engine.clear_prefix_cache()}
+
+    async def model_info(self) -> dict:
+        info = self.engine.model_info
+        return {
+            "name": self.serving.model_name, "file": info.name, "format": info.format,
+            "architecture": info.architecture, "parameters": info.parameters, "dtype": info.dtype,
+            "device": info.device,
+            "quantization": info.quantization and f"{info.quantization} in the file, dequantized to {info.dtype}",
+            "max_model_len": info.max_model_len, "max_num_seqs": info.max_num_seqs,
+            "max_num_batched_tokens": info.max_num_batched_tokens,
+            "kv_block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks,
+            "enable_prefix_caching": info.enable_prefix_caching,
+            "layers": info.num_layers, "hidden_size": info.hidden_size, "num_heads": info.num_heads,
+            "num_kv_heads": info.num_kv_heads, "vocab_size": info.vocab_size,
+        }

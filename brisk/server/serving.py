@@ -1,0 +1,191 @@
+"""What every generation route shares: prompts tokenized off the event loop, admission control,
+submission to the engine, and the two ways of answering (collect the final outputs, or stream
+server-sent events).
+
+Admission counts sequences and prompt tokens, not requests: one request with n=128 is 128
+sequences of work. A request that could never fit the waiting queue gets 400; one that does not
+fit now gets 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from brisk.config import ServerConfig
+from brisk.engine.client import EngineClient, EngineDeadError
+from brisk.engine.output import RequestOutput
+from brisk.model.tokenizer import Message
+from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.server.errors import APIError, error_body
+
+logger = logging.getLogger("brisk.server")
+
+Streams = list[AsyncIterator[RequestOutput]]
+
+
+class Serving:
+    def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        info = engine.model_info
+        self.max_model_len = info.max_model_len
+        self.max_waiting_seqs = config.max_waiting_seqs or 8 * info.max_num_seqs
+        self.max_waiting_tokens = config.max_waiting_tokens or 32 * info.max_model_len
+
+    # ----- prompts ---------------------------------------------------------------------------
+    async def tokenize(self, texts: list[str], param: str) -> list[list[int]]:
+        """Token ids of each text, computed on a worker thread that does not hold the GIL, so a
+        multi-megabyte prompt leaves the event loop (and every other request) running. An empty
+        text becomes the model's BOS token, where it has one: generation from the start of a document."""
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode_batch, texts)
+        bos = self.engine.tokenizer.bos_token_id
+        for prompt in ids:
+            if not prompt:
+                if bos is None:
+                    raise APIError(400, f"{param}: an empty prompt needs a BOS token, and this model has none.",
+                                   param=param)
+                prompt.append(bos)
+        return ids
+
+    async def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        try:
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt)
+        except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
+            raise APIError(400, f"The messages could not be rendered with the chat template: {exc}",
+                           param="messages") from exc
+        return (await asyncio.to_thread(tokenizer.encode_batch, [text], False))[0]
+
+    # ----- checks ----------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", type="not_found_error", param="model",
+                           code="model_not_found")
+
+    def max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                                f"{prompt_param} take {prompt_len}: no room is left for a completion.",
+                           param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return room
+        if requested < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+        if requested > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, "
+                                f"{requested} in the completion).", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested
+
+    def admit(self, num_seqs: int, num_tokens: int) -> None:
+        """Bounded waiting queue, in sequences and in prompt tokens."""
+        if num_seqs > self.max_waiting_seqs or num_tokens > self.max_waiting_tokens:
+            raise APIError(400, f"This request is {num_seqs} sequences with {num_tokens} prompt tokens in all; the "
+                                f"server queues at most {self.max_waiting_seqs} sequences and "
+                                f"{self.max_waiting_tokens} prompt tokens (max_waiting_seqs, max_waiting_tokens). "
+                                f"Send fewer prompts or completions per request.", param="n",
+                           code="request_too_large")
+        load = self.engine.queue_load()
+        if load.num_seqs + num_seqs > self.max_waiting_seqs or load.num_tokens + num_tokens > self.max_waiting_tokens:
+            raise APIError(429, f"The server is busy: {load.num_seqs} sequences with {load.num_tokens} prompt tokens "
+                                f"are already waiting.", type="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    # ----- submit and answer -----------------------------------------------------------------
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
+                     cache_salt: str | None = None) -> Streams:
+        """Admits the whole request, then queues one engine request per prompt (ids request_id-i).
+        All or nothing: if one prompt is refused, those already queued are aborted."""
+        self.admit(sum(p.n for p in params), sum(p.n * len(ids) for ids, p in zip(prompts, params)))
+        streams = []
+        try:
+            for i, (ids, p) in enumerate(zip(prompts, params)):
+                streams.append(self.engine.generate(ids, p, f"{request_id}-{i}", cache_salt=cache_salt))
+        except BaseException as exc:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(exc, SamplingError) and len(prompts) > 1:
+                raise SamplingError(exc.param, f"(prompt {len(streams)}) {str(exc).partition(': ')[2]}") from exc
+            raise
+        return streams
+
+    @staticmethod
+    async def collect(http: Request, streams: Streams) -> list[RequestOutput] | None:
+        """Each stream's last output, or None if the client disconnected first (requests aborted)."""
+
+        async def last(stream):
+            final = None
+            async for output in stream:
+                final = output
+            return final
+
+        gathered = asyncio.gather(*(last(s) for s in streams))
+        try:
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=0.5)
+                if done:
+                    return gathered.result()
+                if await http.is_disconnected():
+                    return None
+        finally:
+            if not gathered.done():
+                gathered.cancel()  # cancels every task: each stream's cleanup aborts its request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gathered
+
+
+def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events ending in `data: [DONE]`, also when the events fail: then an error
+    event comes first (as vLLM sends it), never a connection cut mid-stream."""
+
+    async def encode():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except EngineDeadError as exc:
+            yield f"data: {json.dumps(error_body(f'The engine is not running: {exc}', 'server_error'))}\n\n"
+        except Exception as exc:  # noqa: BLE001 - reported to the client in the stream's own shape
+            logger.error("a streamed response failed", exc_info=exc)
+            yield f"data: {json.dumps(error_body(f'Internal error: {type(exc).__name__}.', 'server_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(encode(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def merge(streams: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several output streams as items arrive, tagging each with its stream's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
