@@ -58,8 +58,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     app.include_router(openai_router(serving))
     app.include_router(service_router(serving))
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_class=PlainTextResponse,
-                   responses={503: {"model": ErrorResponse, "description": "The engine loop is not running."}})
+    @app.get("/health", response_class=PlainTextResponse,
+             responses={503: {"model": ErrorResponse, "description": "The engine loop is not running."}})
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         if engine.is_healthy():
             return PlainTextResponse("ok")

@@ -18,14 +18,14 @@ from fastapi.responses import JSONResponse, Response
 from brisk.engine.output import CompletionOutput, RequestOutput, TokenLogprobs
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.errors import APIError
-from brisk.server.serving import Serving, Streams, merge, sse
+from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, sse
 
 
 def openai_router(serving: Serving) -> APIRouter:
     router = APIRouter()
     api = OpenAIServing(serving)
-    router.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
-    router.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], responses=STREAMING_RESPONSES)
+    router.add_api_route("/v1/completions", api.completions, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/models", api.models, methods=["GET"])
     return router
 

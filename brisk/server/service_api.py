@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from brisk.engine.output import RequestOutput
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
 from brisk.server.protocol import GenerateBatchRequest, GenerateRequest
-from brisk.server.serving import Serving, sse
+from brisk.server.serving import STREAMING_RESPONSES, Serving, sse
 
 ADMIN_ROUTES = {("DELETE", "/v1/cache")}
 
@@ -29,7 +29,7 @@ ADMIN_ROUTES = {("DELETE", "/v1/cache")}
 def service_router(serving: Serving) -> APIRouter:
     router = APIRouter()
     api = ServiceAPI(serving)
-    router.add_api_route("/v1/generate", api.generate, methods=["POST"])
+    router.add_api_route("/v1/generate", api.generate, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/generate/batch", api.generate_batch, methods=["POST"])
     router.add_api_route("/v1/cache/stats", api.cache_stats, methods=["GET"])
     router.add_api_route("/v1/cache", api.clear_cache, methods=["DELETE"])

@@ -29,6 +29,10 @@ logger = logging.getLogger("brisk.server")
 
 Streams = list[AsyncIterator[RequestOutput]]
 
+# OpenAPI `responses` of a route that answers JSON, or server-sent events when asked to stream.
+STREAMING_RESPONSES = {200: {"description": "JSON, or server-sent events with `stream: true`",
+                             "content": {"application/json": {}, "text/event-stream": {}}}}
+
 
 class Serving:
     def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str):

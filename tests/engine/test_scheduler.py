@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
-from brisk.engine.scheduler import Scheduler
+from brisk.engine.scheduler import Scheduler, StepCost
 from brisk.sampling_params import SamplingParams
 
 
@@ -104,3 +106,64 @@ def test_prefix_hit_skips_cached_tokens():
     plan, _ = _step(s)
     assert ("b", 2) in plan  # 8 of 10 prompt tokens came from a's blocks
     assert s.requests["b"].num_cached_tokens == 8
+
+
+# ----- cost-aware budget and fair prefill ---------------------------------------------------------
+def test_step_cost_prices_attention_and_inverts_exactly():
+    cost = StepCost(attention_cost_context=100)
+    assert cost(1, 0) == pytest.approx(1.01)  # one token attending to itself
+    assert cost(10, 90) == pytest.approx(10 * (1 + 95.5 / 100))
+    assert StepCost(0)(10, 5000) == 10.0
+    for budget in (0.5, 1.0, 7.3, 32, 500):
+        for computed in (0, 17, 1000, 7500):
+            n = cost.max_tokens(budget, computed, limit=10**6)
+            assert cost(n, computed) <= budget < cost(n + 1, computed)
+    assert cost.max_tokens(500, 0, limit=3) == 3 and cost.max_tokens(0, 0, limit=3) == 0
+
+
+def test_a_short_request_behind_a_long_prefill_runs_at_the_next_step():
+    s = _scheduler(num_blocks=128, budget=32)
+    s.add(_request("long", 300))
+    assert _step(s)[0] == [("long", 32)]
+    s.add(_request("short", 5, first_token=1000))
+    # The short prompt finishes within this step; the long one gets the rest of the budget.
+    assert _step(s)[0] == [("short", 5), ("long", 27)]
+    assert s.requests["short"].num_output_tokens == 1  # its first token, while the long prompt still prefills
+    assert _step(s)[0] == [("short", 1), ("long", 31)]
+
+
+def test_long_prefill_chunks_shrink_as_their_context_grows():
+    s = _scheduler(num_blocks=256, budget=64, attention_cost_context=128)
+    s.add(_request("long", 900))
+    sizes, computed = [], 0
+    while s.requests["long"].num_output_tokens == 0:
+        (plan, out) = _step(s)
+        [(_, n)] = plan
+        assert s.cost(n, computed) <= 64 < s.cost(n + 1, computed) or computed + n == 900
+        sizes.append(n)
+        computed += n
+    assert sum(sizes) == 900 and sizes[0] > 3 * sizes[-2]
+    assert sizes[:-1] == sorted(sizes[:-1], reverse=True)
+
+
+def test_short_arrivals_slow_a_long_prompt_down_but_never_stop_it():
+    s = _scheduler(num_blocks=256, budget=32, max_num_seqs=4)
+    s.add(_request("long", 400))
+    for i in range(8):
+        s.add(_request(f"short{i}", 20, max_tokens=1, first_token=1000 + 20 * i))
+        plan, _ = _step(s)
+        assert plan == [(f"short{i}", 20), ("long", 12)]  # a quarter of the budget is kept back for it
+
+
+def test_a_decode_preempted_later_in_the_same_step_is_not_scheduled():
+    """Decodes are scheduled before prefills, so a prefill that needs memory can preempt a newer
+    request whose decode was already planned for this step: that decode must leave the plan."""
+    s = _scheduler(num_blocks=5, block_size=4, budget=8, prefix=False)
+    s.add(_request("old", 20))
+    assert _step(s)[0] == [("old", 8)]
+    s.add(_request("new", 3, max_tokens=8, first_token=100))
+    assert _step(s)[0] == [("new", 3), ("old", 5)]  # 4 + 1 blocks: the pool is full
+    plan, out = _step(s)  # new's decode is planned first; old's last 7 prompt tokens need a 5th block
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert plan == [("old", 7)]
+    assert s.requests["new"].status is RequestStatus.WAITING and s.requests["new"].num_computed_tokens == 0

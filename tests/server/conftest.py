@@ -15,9 +15,10 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
-from brisk.config import ServerConfig
+from brisk.config import EngineConfig, ServerConfig
 from brisk.engine.async_engine import AsyncEngine
 from brisk.server.app import build_app
+from tests.conftest import build_tiny_checkpoint
 
 
 def free_port() -> str:
@@ -64,4 +65,20 @@ def offline_expectations():
 @pytest.fixture(scope="module")
 def base_url(real_async_engine):
     with running_server(real_async_engine, served_model_name="smollm2") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """A tiny random Llama behind a loop thread: 4 seats, a 256-token context."""
+    folder = build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), "llama")
+    engine = AsyncEngine(EngineConfig(model=folder, dtype="float32", num_kv_blocks=256, max_model_len=256,
+                                      max_num_seqs=4))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tiny_engine):
+    with running_server(tiny_engine, served_model_name="tiny") as url:
         yield url

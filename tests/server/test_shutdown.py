@@ -1,7 +1,11 @@
-"""`brisk serve` as a process: SIGTERM stops it cleanly (exit 0) while a request is streaming."""
+"""`brisk serve` as a process: SIGTERM ends every response cleanly and exits 0.
+
+Within the grace period a running stream finishes as usual; past it the engine ends it with a
+final `finish_reason: "abort"` chunk and `[DONE]`, never a cut connection, and no traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,56 +14,64 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import build_tiny_checkpoint
 from tests.server.conftest import free_port
 
 
-def test_sigterm_finishes_in_flight_work_and_exits_zero(tmp_path):
-    folder = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
+def _start(folder: str, grace: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "brisk.cli", "serve", "--model", folder, "--port", str(port), "--dtype", "float32",
-         "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-grace-seconds", "5", "--log-level", "warning"],
+         "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-grace-seconds", str(grace),
+         "--log-level", "info"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
-
-        events, first_event = [], threading.Event()
-
-        def stream():
-            body = {"prompt": "w3 w4", "max_tokens": 150, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line)
-                            first_event.set()
-            except httpx.HTTPError:
-                events.append("cut")
-            first_event.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first_event.wait(60)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, process.stdout.read()
-        reader.join(timeout=30)
-        assert events[-1] in ("data: [DONE]", "cut")  # finished within the grace period, or cut after it
+    deadline = time.monotonic() + 120
+    while True:
         try:
-            httpx.get(f"{base}/health", timeout=2)
-            raise AssertionError("server still answering after SIGTERM")
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return process, base
         except httpx.TransportError:
             pass
+        assert process.poll() is None and time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
+def _stream(base: str, events: list, started: threading.Event) -> None:
+    body = {"prompt": "w3 w4", "max_tokens": 250, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                started.set()
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), "llama")
+
+
+@pytest.mark.parametrize("grace, finish_reason", [(0, "abort"), (60, "length")])
+def test_sigterm_ends_streams_with_a_final_chunk_and_exits_zero(tiny_folder, grace, finish_reason):
+    process, base = _start(tiny_folder, grace)
+    try:
+        events, started = [], threading.Event()
+        reader = threading.Thread(target=_stream, args=(base, events, started))
+        reader.start()
+        assert started.wait(60)
+        process.send_signal(signal.SIGTERM)
+        reader.join(timeout=90)
+        assert process.wait(timeout=90) == 0
+        log = process.stdout.read()
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == finish_reason
+        assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 1
+        assert "Traceback" not in log and "ERROR" not in log, log
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{base}/health", timeout=2)
     finally:
         if process.poll() is None:
             process.kill()
