@@ -38,6 +38,22 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(px)
     px.set_defaults(func=_prefix, dtype="float32", kv_cache_memory_gib=2.0)
 
+    fp = kinds.add_parser("fairness", help="TTFT of short requests while a long prompt prefills")
+    fp.add_argument("--long-prompt-lens", type=int, nargs="+", default=[0, 6000, 8000],
+                    help="long prompt lengths, one scenario each (0: the short requests alone)")
+    fp.add_argument("--interval", type=float, default=0.5, help="seconds between short requests")
+    fp.add_argument("--num-short", type=int, default=20, help="short requests in the scenario without a long prompt")
+    fp.add_argument("--calibrate", action="store_true", help="first fit attention_cost_context on this machine")
+    fp.add_argument("--calibrate-chunk", type=int, default=512)
+    add_engine_arguments(fp)
+    fp.set_defaults(func=_fairness, dtype="float32", kv_cache_memory_gib=2.0)
+
+
+def _fairness(args: argparse.Namespace) -> None:
+    from brisk.bench.fairness import main
+
+    main(args)
+
 
 def _throughput(args: argparse.Namespace) -> None:
     from brisk.bench.throughput import main

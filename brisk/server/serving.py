@@ -22,7 +22,7 @@ from brisk.config import ServerConfig
 from brisk.engine.client import EngineClient, EngineDeadError
 from brisk.engine.output import RequestOutput
 from brisk.model.tokenizer import Message
-from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError, error_body
 
 logger = logging.getLogger("brisk.server")
@@ -59,13 +59,18 @@ class Serving:
         return ids
 
     async def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+        """The conversation's token ids, rendered and tokenized on a worker thread (see tokenize)."""
         tokenizer = self.engine.tokenizer
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return tokenizer.encode_batch([text], add_special_tokens=False)[0]
+
         try:
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt)
+            return await asyncio.to_thread(render)
         except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"The messages could not be rendered with the chat template: {exc}",
                            param="messages") from exc
-        return (await asyncio.to_thread(tokenizer.encode_batch, [text], False))[0]
 
     # ----- checks ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -113,11 +118,9 @@ class Serving:
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 streams.append(self.engine.generate(ids, p, f"{request_id}-{i}", cache_salt=cache_salt))
-        except BaseException as exc:
+        except BaseException:
             for stream in streams:
                 await stream.aclose()
-            if isinstance(exc, SamplingError) and len(prompts) > 1:
-                raise SamplingError(exc.param, f"(prompt {len(streams)}) {str(exc).partition(': ')[2]}") from exc
             raise
         return streams
 
