@@ -30,11 +30,19 @@ def test_chat_keeps_the_conversation(real_llm):
     result = _brisk("chat", "--temperature", "0", "--max-tokens", "16", "--max-model-len", "512",
                     "--kv-cache-memory-gib", "0.1", stdin="What is 2+2?\nAnd times 3?\n\n")
     assert result.returncode == 0, result.stderr
-    replies = [line for line in result.stdout.split("> ") if line.strip()]
-    assert len(replies) == 2
-    first = real_llm.chat([{"role": "user", "content": "What is 2+2?"}],
-                          SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
-    assert replies[0].strip() == first.strip()
+    replies = [line.strip() for line in result.stdout.split("> ") if line.strip()]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+
+    def answer(conversation):
+        return real_llm.chat(conversation, greedy, use_tqdm=False)[0].outputs[0].text
+
+    first_turn = [{"role": "user", "content": "What is 2+2?"}]
+    first = answer(first_turn)
+    second_turn = {"role": "user", "content": "And times 3?"}
+    with_history = answer(first_turn + [{"role": "assistant", "content": first}, second_turn])
+    alone = answer([second_turn])
+    assert with_history.strip() != alone.strip()  # else this test could not tell whether history is used
+    assert replies == [first.strip(), with_history.strip()]
 
 
 def test_bad_options_exit_with_a_clear_error():

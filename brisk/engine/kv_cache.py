@@ -14,6 +14,11 @@ tokens too, so a hash collision is a miss, never wrong output) and computes only
 Free blocks wait in an LRU queue. A freed block keeps its cached content until it is handed
 out again, so the queue's head is both "next block to allocate" and "least recently used cached
 block to evict". Blocks with no cached content are put at the head, so they go first.
+
+Invariants, asserted where they can break (cheap checks: none scans the pool):
+- a block is in the free queue exactly when its ref_count is 0;
+- a block with a hash is the one the cache maps that hash to: `_cached[b.block_hash] is b`;
+- a request's table holds only blocks with ref_count >= 1.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class KVBlock:
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # tokens looked up at admission (again, generated ones included, after a preemption)
     hits: int = 0  # of those, tokens served from cached blocks
     evictions: int = 0  # cached blocks whose content was dropped to reuse the block
 
@@ -95,6 +100,7 @@ class KVCacheManager:
             block = self._cached.get(parent)
             if block is None or block.token_ids != tokens:
                 break
+            assert block.block_hash == parent, f"block {block.block_id} is cached under another block's hash"
             hit.append(block)
         return hit
 
@@ -105,6 +111,8 @@ class KVCacheManager:
         find_cached_prefix; they join its table ahead of the new ones.
         """
         table = self._tables.get(request.request_id)
+        assert table is None or not cached_prefix, "a prefix hit can only join a request's first allocation"
+        assert all(self._cached.get(b.block_hash) is b for b in cached_prefix), "a prefix hit is no longer cached"
         if table is None:
             table = []
             num_computed = len(cached_prefix) * self.block_size
@@ -123,6 +131,8 @@ class KVCacheManager:
         for block in cached_prefix:
             if block.ref_count == 0:
                 del self._free[block.block_id]
+            else:
+                assert block.block_id not in self._free, f"block {block.block_id} is held and free"
             block.ref_count += 1
             table.append(block)
         for _ in range(max(needed, 0)):
@@ -136,11 +146,13 @@ class KVCacheManager:
         hashes = self._hashes[request.request_id]
         table = self._tables[request.request_id]
         bs = self.block_size
+        assert request.num_computed_tokens <= len(table) * bs, "computed tokens outside the request's blocks"
         for i in range(len(hashes), request.num_computed_tokens // bs):
             tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
             block_hash = chain_hash(hashes[-1] if hashes else None, tokens, request.cache_salt)
             hashes.append(block_hash)
             block = table[i]
+            assert block.ref_count > 0, f"block {block.block_id} is in a table with ref_count 0"
             if block_hash not in self._cached and block.block_hash is None:
                 block.block_hash, block.token_ids = block_hash, tokens
                 self._cached[block_hash] = block
@@ -151,8 +163,10 @@ class KVCacheManager:
         self._hashes.pop(request.request_id, None)
         # Tail blocks first, so a prefix's head (shared by most requests) is the last evicted.
         for block in reversed(table):
+            assert block.ref_count > 0, f"block {block.block_id} freed more often than it was taken"
             block.ref_count -= 1
             if block.ref_count == 0:
+                assert block.block_id not in self._free, f"block {block.block_id} is already free"
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
@@ -161,12 +175,14 @@ class KVCacheManager:
         """Drops every cached block no request holds (DELETE /v1/cache); returns how many."""
         dropped = [b for b in self._free.values() if b.block_hash is not None]
         for block in dropped:
+            assert block.ref_count == 0, f"free block {block.block_id} has ref_count {block.ref_count}"
             self._uncache(block)
             self._free.move_to_end(block.block_id, last=False)
         return len(dropped)
 
     def _take_free_block(self) -> KVBlock:
         _, block = self._free.popitem(last=False)
+        assert block.ref_count == 0, f"free block {block.block_id} has ref_count {block.ref_count}"
         if block.block_hash is not None:
             self._uncache(block)
             self.stats.evictions += 1
@@ -174,5 +190,6 @@ class KVCacheManager:
         return block
 
     def _uncache(self, block: KVBlock) -> None:
+        assert self._cached.get(block.block_hash) is block, f"block {block.block_id}'s hash maps to another block"
         del self._cached[block.block_hash]
         block.block_hash, block.token_ids = None, ()

@@ -19,11 +19,8 @@ import tokenizers
 import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from brisk.model.spec import ModelSpec
+from brisk.model.spec import ModelSpec, gguf_architecture
 from brisk.model.tokenizer import Tokenizer
-
-# GGUF architecture -> (our family, q/k/v bias, q/k norm)
-_ARCHITECTURES = {"llama": ("llama", False, False), "qwen2": ("qwen2", True, False), "qwen3": ("qwen3", False, True)}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -116,7 +113,11 @@ class GGUFFile:
         return name, dims, kind, self._u64()
 
     def _tensor(self, name: str, dims: list[int], kind: int, start: int) -> GGUFTensor:
-        qtype = gguf.GGMLQuantizationType(kind)
+        try:
+            qtype = gguf.GGMLQuantizationType(kind)
+        except ValueError:
+            raise ValueError(f"GGUF tensor {name!r} has tensor type {kind}, "
+                             "unknown to the installed gguf package") from None
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         n_elements = int(np.prod(dims))
         nbytes = n_elements // block * block_bytes
@@ -128,8 +129,7 @@ class GGUFCheckpoint:
         self.path = path
         self.file = GGUFFile(path)
         self.arch = self._field("general.architecture")
-        if self.arch not in _ARCHITECTURES:
-            raise ValueError(f"GGUF architecture {self.arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+        self.architecture = gguf_architecture(self.arch)
         self.tensors = self.file.tensors
         if "rope_freqs.weight" in self.tensors:
             raise ValueError("GGUF files with a rope_freqs tensor (Llama 3.1 long-context scaling) are not supported yet")
@@ -139,11 +139,10 @@ class GGUFCheckpoint:
 
     def spec(self) -> ModelSpec:
         a = self.arch
-        family, bias, qk_norm = _ARCHITECTURES[a]
         num_heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
         return ModelSpec(
-            architecture=family,
+            architecture=self.architecture.family,
             vocab_size=self._field(f"{a}.vocab_size") or len(self._field("tokenizer.ggml.tokens")),
             hidden_size=hidden,
             intermediate_size=self._field(f"{a}.feed_forward_length"),
@@ -155,8 +154,8 @@ class GGUFCheckpoint:
             rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
             max_position_embeddings=self._field(f"{a}.context_length", 2048),
             tie_word_embeddings="output.weight" not in self.tensors,
-            attention_bias=bias,
-            qk_norm=qk_norm,
+            attention_bias=self.architecture.attention_bias,
+            qk_norm=self.architecture.qk_norm,
             rope_scaling=self._rope_scaling(),
             name=self._field("general.name", ""),
         )
@@ -174,7 +173,7 @@ class GGUFCheckpoint:
         for name, tensor in self.tensors.items():
             hf_name = _hf_name(name)
             weight = dequantize(tensor).to(device=device, dtype=dtype)
-            if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            if self.architecture.gguf_interleaved_rope and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = spec.num_heads if "attn_q" in name else spec.num_kv_heads
                 weight = _undo_rope_permutation(weight, heads)
             yield hf_name, weight
@@ -239,7 +238,11 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     kind = tensor.kind
     unpack = _TORCH_DEQUANTIZERS.get(kind)
     if unpack is None:
-        return torch.from_numpy(gguf.quants.dequantize(tensor.data, kind).astype(np.float32)).view(tensor.shape)
+        try:
+            values = gguf.quants.dequantize(tensor.data, kind)
+        except NotImplementedError:
+            raise ValueError(f"GGUF tensor {tensor.name!r} is stored as {kind.name}, which brisk cannot load") from None
+        return torch.from_numpy(values.astype(np.float32)).view(tensor.shape)
     raw = torch.from_numpy(np.array(tensor.data))  # a private, writable copy of the mapped bytes
     if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
         return unpack(raw).float().view(tensor.shape)

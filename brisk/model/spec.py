@@ -9,18 +9,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# HF `architectures` entries served by the Llama-family implementation, and what each adds.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+@dataclass(frozen=True)
+class Architecture:
+    """One model family served by the Llama-style implementation: how each checkpoint format
+    names it, and what it changes in the shared layers. Both loaders read ARCHITECTURES."""
+
+    family: str  # ModelSpec.architecture
+    hf_classes: tuple[str, ...]  # entries of config.json's `architectures`
+    gguf_name: str | None  # `general.architecture` of GGUF files; None: llama.cpp writes it as another family
+    attention_bias: bool = False  # biases on the q/k/v projections (an HF config may say otherwise)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    gguf_interleaved_rope: bool = False  # llama.cpp permuted q/k rows into its rotary layout; undone at load
+
+
+ARCHITECTURES = (
+    Architecture("llama", ("LlamaForCausalLM",), gguf_name="llama", gguf_interleaved_rope=True),
+    Architecture("mistral", ("MistralForCausalLM",), gguf_name=None),  # llama.cpp converts Mistral to "llama"
+    Architecture("qwen2", ("Qwen2ForCausalLM",), gguf_name="qwen2", attention_bias=True),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), gguf_name="qwen3", qk_norm=True),
+)
+_BY_HF_CLASS = {cls: a for a in ARCHITECTURES for cls in a.hf_classes}
+_BY_GGUF_NAME = {a.gguf_name: a for a in ARCHITECTURES if a.gguf_name}
+
+
+def hf_architecture(hf_classes: list[str]) -> Architecture:
+    """The family of the first supported entry of config.json's `architectures`."""
+    found = next((_BY_HF_CLASS[c] for c in hf_classes if c in _BY_HF_CLASS), None)
+    if found is None:
+        raise ValueError(f"unsupported architecture {hf_classes}; brisk serves {sorted(_BY_HF_CLASS)}")
+    return found
+
+
+def gguf_architecture(name: str) -> Architecture:
+    found = _BY_GGUF_NAME.get(name)
+    if found is None:
+        raise ValueError(f"GGUF architecture {name!r} is not supported (supported: {sorted(_BY_GGUF_NAME)})")
+    return found
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES' values
+    architecture: str  # an Architecture's family
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,8 +61,8 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2: biases on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    attention_bias: bool = False  # biases on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen form of the HF dict
     name: str = ""
 
@@ -48,12 +77,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelSpec":
-        archs = config.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
-            raise ValueError(
-                f"unsupported architecture {archs}; brisk serves {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = hf_architecture(config.get("architectures") or [])
         num_heads = config["num_attention_heads"]
         rope_scaling = config.get("rope_scaling") or config.get("rope_parameters")
         rope_theta = config.get("rope_theta")
@@ -62,7 +86,7 @@ class ModelSpec:
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", "default") == "default":
             rope_scaling = None
         return cls(
-            architecture=family,
+            architecture=arch.family,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -74,8 +98,8 @@ class ModelSpec:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            attention_bias=bool(config.get("attention_bias", arch.attention_bias)),
+            qk_norm=arch.qk_norm,
             rope_scaling=_freeze(rope_scaling),
             name=config.get("_name_or_path", ""),
         )

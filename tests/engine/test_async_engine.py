@@ -54,31 +54,60 @@ def test_streamed_deltas_add_up_to_the_offline_result(offline_fruit, async_engin
     assert count == len(tokens) and last.finished and last.outputs[0].finish_reason == offline.finish_reason
 
 
-def test_concurrent_streams_interleave(real_llm, async_engine):
-    prompts = [_prompt(real_llm, f"Give me {i} reasons to learn Python.") for i in range(2, 8)]
+REASONS = [f"Give me {i} reasons to learn Python." for i in range(2, 8)]
+
+
+@pytest.fixture
+def offline_reasons(real_llm):
+    """Prompts and their offline greedy results, taken before `async_engine` starts its loop."""
+    prompts = [_prompt(real_llm, text) for text in REASONS]
+    outputs = real_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    return prompts, [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs]
+
+
+def test_concurrent_streams_interleave(offline_reasons, async_engine):
+    prompts, expected = offline_reasons
+    arrivals: list[str] = []  # request id of every output, in the order the event loop received them
+
+    async def collect(prompt, request_id):
+        pieces, tokens = [], []
+        async for output in async_engine.generate(prompt, STREAM, request_id):
+            arrivals.append(request_id)
+            for c in output.outputs:
+                pieces.append(c.text)
+                tokens += c.token_ids
+        return "".join(pieces), tokens
 
     async def main():
-        return await asyncio.gather(*(_collect(async_engine, p, f"c{i}") for i, p in enumerate(prompts)))
+        return await asyncio.gather(*(collect(p, f"c{i}") for i, p in enumerate(prompts)))
 
-    results = asyncio.run(main())
-    assert all(len(tokens) == 24 or last.outputs[0].finish_reason == "stop" for _, tokens, _, last in results)
-    assert async_engine.engine.scheduler.stats.num_batched_tokens > 0
+    assert asyncio.run(main()) == expected
+    for request_id in {f"c{i}" for i in range(len(prompts))}:
+        first = arrivals.index(request_id)
+        last = len(arrivals) - 1 - arrivals[::-1].index(request_id)
+        others = set(arrivals[first:last + 1]) - {request_id}
+        assert others, f"{request_id}'s outputs arrived in one run: {arrivals}"
+    assert_no_leaks(async_engine.engine)
+
+
+async def _finish_a_probe(engine: AsyncEngine, real_llm) -> None:
+    """Runs one more request to its end. Commands reach the loop thread in the order they were
+    posted, so once this request has finished, an abort posted before it has been applied."""
+    async for _ in engine.generate(_prompt(real_llm, "Hi."), SamplingParams(max_tokens=1), "probe"):
+        pass
 
 
 def test_leaving_a_stream_early_aborts_the_request(real_llm, async_engine):
     async def main():
         stream = async_engine.generate(_prompt(real_llm, "Write a long essay about rivers."),
                                        SamplingParams(max_tokens=500, output_kind=OutputKind.DELTA), "leaver")
-        async for _ in stream:
+        async for _ in stream:  # the request is running: it has produced a token
             break
         await stream.aclose()
-        for _ in range(200):  # the loop thread picks the abort up within a step
-            if not async_engine.engine.has_unfinished_requests():
-                return
-            await asyncio.sleep(0.01)
+        await _finish_a_probe(async_engine, real_llm)
 
     asyncio.run(main())
-    assert_no_leaks(async_engine.engine)
+    assert_no_leaks(async_engine.engine)  # 500 tokens were asked for: only the abort can have ended it
 
 
 def test_invalid_requests_fail_before_reaching_the_engine(async_engine):
@@ -115,15 +144,19 @@ def test_event_loop_keeps_running_while_the_model_steps(real_llm, async_engine):
 
 def test_closing_a_stream_that_never_started_aborts_its_request(real_llm, async_engine):
     async def main():
-        stream = async_engine.generate(_prompt(real_llm, "Write a long poem."),
+        unread = async_engine.generate(_prompt(real_llm, "Write a long poem."),
                                        SamplingParams(max_tokens=400, ignore_eos=True), "never-read")
-        await asyncio.sleep(0.3)  # the engine has picked it up and is generating
-        await stream.aclose()
-        for _ in range(200):
-            if not async_engine.engine.has_unfinished_requests():
-                return
-            await asyncio.sleep(0.01)
+        witness = async_engine.generate(_prompt(real_llm, "Write a short poem."),
+                                        SamplingParams(max_tokens=400, ignore_eos=True), "witness")
+        # Admission is first come, first served: once the later request has a token, the unread one runs too.
+        await anext(witness)
+        await unread.aclose()
+        await witness.aclose()
+        await _finish_a_probe(async_engine, real_llm)
+        # Its id is free again: nothing of the closed request is left on the async side either.
+        again = async_engine.generate(_prompt(real_llm, "Hi."), SamplingParams(max_tokens=1), "never-read")
+        return [output async for output in again]
 
-    asyncio.run(main())
+    outputs = asyncio.run(main())
+    assert len(outputs) == 1 and outputs[0].finished
     assert_no_leaks(async_engine.engine)
-    assert "never-read" not in async_engine._streams

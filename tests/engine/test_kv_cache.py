@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
 from brisk.sampling_params import SamplingParams
@@ -135,3 +137,154 @@ def test_prefix_caching_off_never_hits():
     kv.allocate(a, 9)
     _compute(kv, a, 9)
     assert kv.num_cached_blocks == 0 and kv.find_cached_prefix(_request("b", list(range(9)))) == []
+
+
+def _free_queue(kv: KVCacheManager) -> list[int]:
+    """Free block ids, head first: the order in which the next allocations take them."""
+    return list(kv._free)
+
+
+def _ref_counts(kv: KVCacheManager) -> list[int]:
+    return [b.ref_count for b in kv.blocks]
+
+
+def _shared_prefix_pair(kv: KVCacheManager) -> tuple[Request, Request]:
+    """a: blocks 0, 1 (full, cached) + 2 (partial); b: hits 0, 1 and adds block 3 (partial)."""
+    a = _request("a", list(range(10)))
+    kv.allocate(a, 10)
+    _compute(kv, a, 10)
+    b = _request("b", list(range(8)) + [50, 51, 52])
+    hit = kv.find_cached_prefix(b)
+    kv.allocate(b, 3, hit)
+    b.num_computed_tokens = 8
+    _compute(kv, b, 3)
+    return a, b
+
+
+def test_shared_prefix_freed_owner_first():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = _shared_prefix_pair(kv)
+    assert _ref_counts(kv) == [2, 2, 1, 1, 0, 0, 0, 0] and _free_queue(kv) == [4, 5, 6, 7]
+    kv.free(a)
+    assert _ref_counts(kv) == [1, 1, 0, 1, 0, 0, 0, 0]
+    assert _free_queue(kv) == [2, 4, 5, 6, 7]  # a's partial block goes first: nothing to keep in it
+    kv.free(b)
+    assert _ref_counts(kv) == [0] * 8
+    assert _free_queue(kv) == [3, 2, 4, 5, 6, 7, 1, 0]  # the shared prefix is the last to go, its head last
+    assert kv.num_cached_blocks == 2
+
+
+def test_shared_prefix_freed_sharer_first():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = _shared_prefix_pair(kv)
+    kv.free(b)
+    assert _ref_counts(kv) == [1, 1, 1, 0, 0, 0, 0, 0] and _free_queue(kv) == [3, 4, 5, 6, 7]
+    kv.free(a)
+    assert _free_queue(kv) == [2, 3, 4, 5, 6, 7, 1, 0]
+    # Either order leaves the prefix cached; a new request revives it from the queue's tail.
+    c = _request("c", list(range(8)) + [60])
+    hit = kv.find_cached_prefix(c)
+    assert [blk.block_id for blk in hit] == [0, 1]
+    assert kv.allocate(c, 1, hit) and kv.block_ids("c") == [0, 1, 2]
+    assert _ref_counts(kv)[:3] == [1, 1, 1] and _free_queue(kv) == [3, 4, 5, 6, 7]
+
+
+def test_identical_prompts_computed_together_cache_only_the_first_copy():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a, b = _request("a", [1, 2, 3, 4, 5]), _request("b", [1, 2, 3, 4, 5])
+    assert kv.allocate(a, 5) and kv.allocate(b, 5)  # same step: neither is cached yet
+    assert kv.block_ids("a") == [0, 1, 2] and kv.block_ids("b") == [3, 4, 5]
+    _compute(kv, a, 5)
+    _compute(kv, b, 5)
+    assert kv.num_cached_blocks == 2 and [kv.blocks[i].block_hash is not None for i in range(6)] == [
+        True, True, False, False, False, False]
+    kv.free(b)
+    kv.free(a)
+    assert _free_queue(kv) == [2, 3, 4, 5, 1, 0]  # b's copies carry nothing to reuse: they go first
+    c = _request("c", [1, 2, 3, 4, 9])
+    assert [blk.block_id for blk in kv.find_cached_prefix(c)] == [0, 1]
+
+
+def test_evicting_unused_blocks_while_one_is_held_and_allocating_again():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a, b = _request("a", [1, 2, 3]), _request("b", [4, 5, 6])
+    for r in (a, b):
+        kv.allocate(r, 3)
+        _compute(kv, r, 3)
+    assert kv.block_ids("a") == [0, 1] and kv.block_ids("b") == [2, 3]
+    kv.free(b)
+    assert _free_queue(kv) == [3, 4, 5, 2]
+    assert kv.evict_unused_cached_blocks() == 1  # block 2; block 0 is a's
+    assert _free_queue(kv) == [2, 3, 4, 5]  # the dropped block moves to the head, like any empty one
+    assert kv.num_cached_blocks == 1 and kv.blocks[0].block_hash is not None and kv.blocks[0].ref_count == 1
+    assert kv.stats.evictions == 0  # nothing was evicted to make room
+
+    b_again = _request("b2", [4, 5, 6])
+    assert kv.find_cached_prefix(b_again) == []  # b's content is gone
+    assert kv.allocate(b_again, 3) and kv.block_ids("b2") == [2, 3]
+    _compute(kv, b_again, 3)
+    assert kv.blocks[2].block_hash is not None and kv.num_cached_blocks == 2  # re-cached in the same block
+
+    c = _request("c", [1, 2, 7])  # a's held block still serves hits after the eviction
+    hit = kv.find_cached_prefix(c)
+    assert [blk.block_id for blk in hit] == [0]
+    assert kv.allocate(c, 1, hit) and kv.block_ids("c") == [0, 4]
+    assert _ref_counts(kv) == [2, 1, 1, 1, 1, 0] and _free_queue(kv) == [5]
+    for r in (a, b_again, c):
+        kv.free(r)
+    assert _ref_counts(kv) == [0] * 6
+    assert _free_queue(kv) == [4, 3, 1, 5, 2, 0]
+    assert kv.evict_unused_cached_blocks() == 2 and kv.num_cached_blocks == 0
+    assert _free_queue(kv) == [0, 2, 4, 3, 1, 5]
+
+
+def test_eviction_after_evict_all_reallocates_from_the_head():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = _request("a", [1, 2, 3, 4, 5])
+    kv.allocate(a, 5)
+    _compute(kv, a, 5)
+    kv.free(a)
+    assert _free_queue(kv) == [2, 3, 1, 0]
+    assert kv.evict_unused_cached_blocks() == 2
+    assert _free_queue(kv) == [0, 1, 2, 3]
+    b = _request("b", [1, 2, 3, 4, 5])
+    assert kv.find_cached_prefix(b) == []
+    assert kv.allocate(b, 5) and kv.block_ids("b") == [0, 1, 2]
+    assert kv.stats.evictions == 0 and _free_queue(kv) == [3]
+
+
+def test_a_hit_evicted_before_it_is_allocated_is_refused():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = _request("a", [1, 2, 3])
+    kv.allocate(a, 3)
+    _compute(kv, a, 3)
+    kv.free(a)
+    b = _request("b", [1, 2, 3])
+    hit = kv.find_cached_prefix(b)
+    kv.evict_unused_cached_blocks()
+    with pytest.raises(AssertionError, match="no longer cached"):
+        kv.allocate(b, 1, hit)  # its stale K/V would be read as if it were b's prefix
+    assert kv.block_ids("b") == [] and kv.num_free_blocks == 4
+
+
+def test_a_block_freed_once_too_often_is_caught():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = _request("a", [1, 2, 3])
+    kv.allocate(a, 3)
+    kv.blocks[0].ref_count = 0  # as if some other path had already released it
+    with pytest.raises(AssertionError, match="freed more often"):
+        kv.free(a)
+
+
+def test_a_preempted_request_is_looked_up_again_with_its_generated_tokens():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a = _request("a", [1, 2, 3])
+    kv.allocate(a, 3)
+    _compute(kv, a, 3)
+    a.token_ids.append(4)  # sampled; then preempted before its K/V was computed
+    kv.free(a)
+    a.num_computed_tokens = 0
+    hit = kv.find_cached_prefix(a)
+    assert [blk.block_id for blk in hit] == [0]  # block 1 holds (3, 4): only 3 was computed, so it was never cached
+    assert kv.allocate(a, 2, hit) and kv.block_ids("a") == [0, 1]
+    assert (kv.stats.queries, kv.stats.hits) == (3 + 4, 0 + 2)
