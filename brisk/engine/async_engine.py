@@ -217,6 +217,9 @@ class AsyncEngine(EngineClient):
                 for output in self.engine.step():
                     self._deliver(output)
                 self.last_step_time = time.monotonic()
+            self._drain_inbox()  # aborts posted during the last step
+            for request_id in self.engine.request_ids:  # nothing stays behind in the engine
+                self.engine.abort_request(request_id)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller, then re-raised
             logger.exception("the engine loop failed")
             self.error = exc

@@ -208,10 +208,15 @@ def test_n_completions_final_only_waits_for_all(processor):
     assert [(c.text, c.finish_reason) for c in out.outputs] == [(" cat", "length"), (" sat", "length")]
 
 
-def test_abort_forgets_the_request(processor):
-    (r,) = _add(processor, "r", output_kind=OutputKind.DELTA)
-    _run(processor, r, [" cat", " sat"])
-    processor.abort("r")
+def test_abort_ends_every_completion_then_forgets_the_request(processor):
+    (r,) = _add(processor, "r", output_kind=OutputKind.DELTA, stop=["sat on"])
+    sent = _run(processor, r, [" cat", " sat"])
+    assert "".join(o.outputs[0].text for o in sent) == " ca"  # 5 characters held back for "sat on"
+    last = processor.abort("r", now=5.0)
+    # The last delta carries what was held back, and the finish reason.
+    assert [(c.text, c.finish_reason) for c in last.outputs] == [("t sat", "abort")]
+    assert last.finished and last.metrics.finished_time == 5.0
+    assert processor.abort("r", now=6.0) is None
     assert processor.child_ids("r") == []
     with pytest.raises(KeyError):  # an output for it can no longer be produced
         _feed(processor, r, ".")
