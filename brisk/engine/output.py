@@ -13,17 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from brisk.engine.request import Request, RequestStatus
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from brisk.sample.logprobs import TokenLogprobs
 from brisk.sampling_params import OutputKind, SamplingParams
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-TokenLogprobs = dict[int, Logprob]  # token id -> its logprob, for one position
 
 
 @dataclass

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from brisk.engine.kv_cache import KVCacheManager
-from brisk.engine.output import Logprob, TokenLogprobs
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
-from brisk.sample.sampler import Sampler, SamplerOutput, SamplingBatch
+from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
+from brisk.sample.sampler import Sampler, SamplingBatch, SamplingRow
 
 
 @dataclass
@@ -68,13 +68,22 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         out = RunnerOutput()
         if batch.sample_requests:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
-            sampled = self.sampler(logits, SamplingBatch.from_requests(batch.sample_requests, self.vocab_size,
-                                                                       self.device))
-            self._collect_samples(batch.sample_requests, sampled, out)
+            self._sample(hidden[batch.sample_rows], batch.sample_requests, out)
         for rows in batch.prompt_logprob_rows:
-            out.prompt_logprobs[rows.request.request_id] = self._prompt_logprobs(hidden[rows.rows], rows)
+            logits = self.model.compute_logits(hidden[rows.rows])
+            out.prompt_logprobs[rows.request.request_id] = prompt_logprobs(
+                logits, rows.targets, rows.request.params.prompt_logprobs)
         return out
+
+    def _sample(self, hidden: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
+        logits = self.model.compute_logits(hidden)
+        rows = [_sampling_row(r) for r in requests]
+        sampled = self.sampler(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device))
+        tokens = sampled.token_ids.tolist()
+        out.sampled = {r.request_id: token for r, token in zip(requests, tokens)}
+        if sampled.logprobs is not None:
+            entries = token_logprobs(sampled.logprobs, tokens, [r.params.logprobs for r in requests])
+            out.logprobs = {r.request_id: e for r, e in zip(requests, entries) if e is not None}
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         decodes = [c for c in sched.chunks if c.num_new_tokens == 1]
@@ -141,38 +150,7 @@ class ModelRunner:
             return []
         return [_PromptLogprobRows(r, slice(row, row + count), r.token_ids[start + 1:start + 1 + count])]
 
-    def _collect_samples(self, requests: list[Request], sampled: SamplerOutput, out: RunnerOutput) -> None:
-        tokens = sampled.token_ids.tolist()
-        want = [r.params.logprobs is not None for r in requests]
-        if any(want):
-            chosen = sampled.sampled_logprobs.tolist()
-            ranks = sampled.sampled_ranks.tolist()
-            top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
-            top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        for i, request in enumerate(requests):
-            out.sampled[request.request_id] = tokens[i]
-            if want[i]:
-                k = request.params.logprobs
-                out.logprobs[request.request_id] = _token_logprobs(
-                    tokens[i], chosen[i], ranks[i], top_ids[i][:k] if k else [], top_lps[i][:k] if k else [])
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, rows: _PromptLogprobRows) -> list[TokenLogprobs]:
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
-        targets = torch.tensor(rows.targets, device=logprobs.device).unsqueeze(1)
-        chosen = logprobs.gather(1, targets)
-        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-        k = rows.request.params.prompt_logprobs
-        top_lps, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        chosen = chosen.squeeze(1).tolist()
-        return [
-            _token_logprobs(t, chosen[i], ranks[i], top_ids[i].tolist() if k else [], top_lps[i].tolist() if k else [])
-            for i, t in enumerate(rows.targets)
-        ]
-
-
-def _token_logprobs(token: int, logprob: float, rank: int, top_ids: list[int], top_lps: list[float]) -> TokenLogprobs:
-    """The chosen token first, then the top-k alternatives (vLLM's layout)."""
-    entry = {token: Logprob(logprob, rank)}
-    for j, (tid, lp) in enumerate(zip(top_ids, top_lps)):
-        entry.setdefault(tid, Logprob(lp, j + 1))
-    return entry
+def _sampling_row(request: Request) -> SamplingRow:
+    return SamplingRow(request.params, request.token_ids, request.num_prompt_tokens, request.eos_token_ids,
+                       request.generator)

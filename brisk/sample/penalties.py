@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.engine.request import Request
+from brisk.sampling_params import SamplingParams
 
 
 @dataclass
@@ -23,13 +23,12 @@ class Penalties:
     seen: torch.Tensor  # [B, V] bool: in the prompt or the output
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "Penalties | None":
-        params = [r.params for r in requests]
-        if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-               for p in params):
-            return None
-        output_counts = _token_counts([r.output_token_ids for r in requests], vocab_size, device)
-        prompt_counts = _token_counts([r.prompt_token_ids for r in requests], vocab_size, device)
+    def from_tokens(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]], vocab_size: int, device: torch.device) -> "Penalties":
+        """Row i from params[i] and that sequence's tokens. The counts are [B, V], so callers build
+        this only when some row `uses_penalties`."""
+        output_counts = _token_counts(output_token_ids, vocab_size, device)
+        prompt_counts = _token_counts(prompt_token_ids, vocab_size, device)
 
         def column(values):
             return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
@@ -46,6 +45,11 @@ class Penalties:
         penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
         logits = torch.where(self.seen, penalized, logits)
         return logits - self.frequency * self.output_counts - self.presence * (self.output_counts > 0).float()
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    """Whether a row needs the [B, V] penalty tensors (a batch builds them only if some row does)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def _token_counts(sequences: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

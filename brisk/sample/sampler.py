@@ -7,6 +7,9 @@ through temperature, min_p, top-k and top-p before sampling.
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly, and
 the noise for a seeded request comes from that request's own generator, one draw per step, so
 its output does not depend on what else is in the batch.
+
+The package knows nothing of the engine: a row is a `SamplingRow`, which the model runner
+fills from its requests.
 """
 
 from __future__ import annotations
@@ -15,8 +18,36 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.engine.request import Request
-from brisk.sample.penalties import Penalties
+from brisk.sample.logprobs import RankedLogprobs, rank_targets
+from brisk.sample.penalties import Penalties, uses_penalties
+from brisk.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample the next token of: its parameters and every token it has so far.
+
+    `token_ids` is the prompt followed by the output, shared with the caller rather than split
+    into two copies every step; the slices are taken only when penalties need them.
+    """
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    generator: torch.Generator | None = None  # the sequence's own RNG when params.seed is set
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -35,8 +66,8 @@ class SamplingBatch:
     num_logprobs: int | None  # most top logprobs any row asked for; None if none asked
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
-        params = [r.params for r in requests]
+    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        params = [r.params for r in rows]
 
         def column(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
@@ -50,9 +81,11 @@ class SamplingBatch:
             if any(p.top_k for p in params) else None,
             top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
             min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
-            penalties=Penalties.from_requests(requests, vocab_size, device),
-            banned=_min_tokens_bans(requests, vocab_size, device),
-            generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
+            penalties=Penalties.from_tokens(params, [r.prompt_token_ids for r in rows],
+                                            [r.output_token_ids for r in rows], vocab_size, device)
+            if any(uses_penalties(p) for p in params) else None,
+            banned=_min_tokens_bans(rows, vocab_size, device),
+            generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
@@ -60,11 +93,9 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B]
-    # Only when some row asked for logprobs:
-    sampled_logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token
-    sampled_ranks: torch.Tensor | None = None  # [B] its rank (1 = most likely)
-    top_logprobs: torch.Tensor | None = None  # [B, K]
-    top_token_ids: torch.Tensor | None = None  # [B, K]
+    # Only when some row asked for logprobs: the chosen tokens ranked on the raw model logprobs,
+    # with the top num_logprobs of every row (rows that asked for fewer slice theirs).
+    logprobs: RankedLogprobs | None = None
 
 
 class Sampler:
@@ -82,10 +113,9 @@ class Sampler:
         if not batch.all_greedy:
             sampled = self._sample(logits, batch)
             tokens = torch.where(batch.greedy, tokens, sampled)
-        out = SamplerOutput(tokens)
-        if raw_logprobs is not None:
-            _fill_logprobs(out, raw_logprobs, batch.num_logprobs)
-        return out
+        if raw_logprobs is None:
+            return SamplerOutput(tokens)
+        return SamplerOutput(tokens, rank_targets(raw_logprobs, tokens, batch.num_logprobs))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits / batch.temperature.unsqueeze(1)
@@ -99,6 +129,8 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in batch.generators.items():
             noise[row].exponential_(generator=generator)
+        # The draw can be exactly 0; a masked token (p = 0) would then score 0/0 = NaN, which argmax picks.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
 
@@ -115,20 +147,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
-def _fill_logprobs(out: SamplerOutput, logprobs: torch.Tensor, k: int) -> None:
-    chosen = logprobs.gather(1, out.token_ids.unsqueeze(1))
-    out.sampled_logprobs = chosen.squeeze(1)
-    out.sampled_ranks = (logprobs > chosen).sum(dim=-1) + 1
-    if k > 0:
-        out.top_logprobs, out.top_token_ids = logprobs.topk(k, dim=-1)
-
-
-def _min_tokens_bans(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
-    if not rows:
+def _min_tokens_bans(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    short = [(i, r) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+    if not short:
         return None
-    banned = torch.zeros(len(requests), vocab_size, dtype=torch.bool)
-    for i, r in rows:
+    banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for i, r in short:
         ids = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
         banned[i, ids] = True
     return banned.to(device)

@@ -1,0 +1,69 @@
+"""Logprobs as callers receive them: per position, the target token's logprob and rank, then
+the top-k alternatives (vLLM's layout).
+
+Two kinds go through the same ranking: those of sampled tokens (the sampler ranks them on the
+raw model distribution, before penalties and temperature) and those of prompt tokens (how the
+model predicted each next prompt token). Tensors become Python values with one `.tolist()` per
+field for the whole batch, not one per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]  # token id -> its logprob, for one position
+
+
+@dataclass
+class RankedLogprobs:
+    """Logprobs of one target token per row, with the rows' top-k, still as tensors."""
+
+    target_logprobs: torch.Tensor  # [B]
+    target_ranks: torch.Tensor  # [B] 1 = most likely
+    top_logprobs: torch.Tensor | None  # [B, K], best first; None when K = 0
+    top_token_ids: torch.Tensor | None  # [B, K]
+
+
+def rank_targets(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> RankedLogprobs:
+    """Ranks each row's target token in that row's [B, V] `logprobs` and takes its k best."""
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_logprobs, top_token_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    return RankedLogprobs(chosen.squeeze(1), ranks, top_logprobs, top_token_ids)
+
+
+def token_logprobs(ranked: RankedLogprobs, targets: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row: None where `num_top` is None (the row asked for no logprobs), else the target
+    first, then the row's `num_top` best tokens (at most the K that `ranked` holds)."""
+    logprobs, ranks = ranked.target_logprobs.tolist(), ranked.target_ranks.tolist()
+    has_top = ranked.top_token_ids is not None
+    top_ids = ranked.top_token_ids.tolist() if has_top else None
+    top_lps = ranked.top_logprobs.tolist() if has_top else None
+    entries: list[TokenLogprobs | None] = []
+    for i, (token, k) in enumerate(zip(targets, num_top)):
+        if k is None:
+            entries.append(None)
+            continue
+        entry = {token: Logprob(logprobs[i], ranks[i])}
+        top = zip(top_ids[i][:k], top_lps[i][:k]) if k else ()
+        for rank, (tid, lp) in enumerate(top, start=1):
+            entry.setdefault(tid, Logprob(lp, rank))
+        entries.append(entry)
+    return entries
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Row i of `logits` predicts prompt token `targets[i]`: its logprob, rank and the k best."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ranked = rank_targets(logprobs, torch.tensor(targets, device=logprobs.device), k)
+    return token_logprobs(ranked, targets, [k] * len(targets))
