@@ -15,7 +15,8 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from brisk.engine.output import CompletionOutput, RequestOutput, TokenLogprobs
+from brisk.engine.output import CompletionOutput, RequestOutput
+from brisk.sample.logprobs import TokenLogprobs
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.errors import APIError
 from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, sse
