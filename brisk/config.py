@@ -42,10 +42,12 @@ class EngineConfig:
         None, "Exact number of KV blocks, overriding kv_cache_memory_gib (for tests and tuning)."
     )
     max_num_seqs: int = _knob(64, "Most sequences in one batch.")
+    # 256 on CPU keeps a step near 0.6 s (a short request waits at most about two steps for its
+    # first token behind a long prompt); offline throughput runs favour larger steps (bench: 1024).
     max_num_batched_tokens: int = _knob(
-        512, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in).")
-    attention_cost_context: int = _knob(
-        2048, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
+        256, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in).")
+    attention_cost_context: int = _knob(  # fitted with `brisk bench fairness --calibrate` (BENCHMARKS.md)
+        1500, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
     enable_chunked_prefill: bool = _knob(True, "Split long prompts across steps so decodes keep flowing.")
     enable_prefix_caching: bool = _knob(True, "Reuse KV blocks of prompts that share a prefix.")

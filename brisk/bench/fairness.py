@@ -42,7 +42,7 @@ class Scenario:
 
 def run_scenario(engine: LLMEngine, long_len: int, interval: float, num_short: int, seed: int) -> Scenario:
     """Shorts arrive every `interval` s: num_short of them alone, or for as long as the long prompt prefills."""
-    rng = random.Random(seed)
+    rng = random.Random(seed + long_len)  # each scenario its own long prompt: no prefix-cache hits across them
     short_prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     start = time.monotonic()
     long_id = None
@@ -116,5 +116,6 @@ def main(args: argparse.Namespace) -> None:
         num_short = args.num_short if long_len == 0 else 10**6
         scenario = run_scenario(engine, long_len, args.interval, num_short, args.seed)
         long = f"{scenario.long_prefill_seconds:16.1f}" if scenario.long_prefill_seconds else f"{'-':>16}"
-        print(f"{long_len or 'none':>24} {len(scenario.ttfts):>6} {statistics.median(scenario.ttfts):12.2f} "
-              f"{scenario.percentile(0.99):8.2f} {max(scenario.ttfts):8.2f} {long}", flush=True)
+        ttft = (f"{statistics.median(scenario.ttfts):12.2f} {scenario.percentile(0.99):8.2f} {max(scenario.ttfts):8.2f}"
+                if scenario.ttfts else f"{'-':>12} {'-':>8} {'-':>8}")
+        print(f"{long_len or 'none':>24} {len(scenario.ttfts):>6} {ttft} {long}", flush=True)
