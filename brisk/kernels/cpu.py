@@ -26,8 +26,11 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # -ffast-math lets expf vectorize (glibc's libmvec) and sums reassociate; the kernels avoid
-# infinities so finite-math is safe.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# infinities so finite-math is safe. It is a compile flag only: linked with it, gcc (< 13) adds
+# crtfastmath.o, whose constructor turns on flush-to-zero for the whole process when the library
+# loads, silently changing every later float computation (torch's, numpy's, Python's own).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the variant
     "paged_decode_attention": [_PTR] * 6 + [_I64] * 4 + [ctypes.c_float],
@@ -51,7 +54,8 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
         return None
     source = _HERE / source_name
     flags = [*_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
-    inputs = source.read_bytes() + (_HERE / "dtypes.h").read_bytes() + " ".join([compiler, *flags]).encode()
+    inputs = (source.read_bytes() + (_HERE / "dtypes.h").read_bytes()
+              + " ".join([compiler, *flags, *_LINK_FLAGS]).encode())
     key = hashlib.sha256(inputs).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
@@ -73,11 +77,12 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
 def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise subprocess.CalledProcessError(result.returncode, compiler, stderr=result.stderr)
+        obj, built = Path(tmp) / f"{source.stem}.o", Path(tmp) / target.name
+        for command in ([compiler, *flags, "-c", str(source), "-o", str(obj)],
+                        [compiler, *_LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise subprocess.CalledProcessError(result.returncode, compiler, stderr=result.stderr)
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
 
 

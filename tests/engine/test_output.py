@@ -11,7 +11,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
-from brisk.engine.output import Logprob, OutputProcessor, RequestOutput
+from brisk.engine.output import OutputProcessor, RequestOutput
+from brisk.sample.logprobs import Logprob
 from brisk.engine.request import Request
 from brisk.model.tokenizer import Tokenizer
 from brisk.sampling_params import OutputKind, SamplingParams

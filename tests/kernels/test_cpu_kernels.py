@@ -96,3 +96,20 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torch(monkeypatch, tmp_path
         assert cpu_kernels._library("linear.c", (("UNBUILT_VARIANT", 1),)) is None
     finally:
         cpu_kernels._library.cache_clear()
+
+
+def test_loading_the_kernels_keeps_subnormal_floats(tmp_path, monkeypatch):
+    """A library linked with -ffast-math would switch the loading thread to flush-to-zero."""
+    import ctypes
+    import sys
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a fresh build with the current flags
+    cpu_kernels._library.cache_clear()
+    try:
+        assert cpu_kernels._library("linear.c") is not None
+    finally:
+        cpu_kernels._library.cache_clear()
+    smallest_normal = sys.float_info.min
+    assert smallest_normal / 2 > 0.0  # Python's own float arithmetic
+    assert torch.tensor(1e-40, dtype=torch.float32).item() > 0.0
+    assert ctypes.c_float(1e-40).value > 0.0
