@@ -9,50 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
-import typing
-from dataclasses import MISSING
-from typing import TypeVar
 
-from brisk.config import ConfigError, EngineConfig, ServerConfig
+from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
+from brisk.config import ConfigError, ServerConfig
 from brisk.engine.engine import LLMEngine
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
-
-C = TypeVar("C", EngineConfig, ServerConfig)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], title: str) -> None:
-    """One flag per field of config_cls, with the field's default and help."""
-    group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(config_cls)
-    for f in config_cls.knobs():
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(hints[f.name])
-        default = f.default if f.default is not MISSING else None
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
-        else:
-            group.add_argument(flag, type=kind, default=default, help=f.metadata["help"])
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, EngineConfig, "engine options")
-
-
-def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
-    return config_cls(**{f.name: getattr(args, f.name) for f in config_cls.knobs()})
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return config_from_args(EngineConfig, args)
-
-
-def _base_type(hint) -> type:
-    """`int | None` -> int."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")

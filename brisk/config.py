@@ -26,6 +26,11 @@ def _knob(default, help: str, **kwargs):
     return field(default=default, metadata={"help": help}, **kwargs)
 
 
+def knobs(config_cls: type) -> list[dataclasses.Field]:
+    """The fields of EngineConfig or ServerConfig: one command-line flag each."""
+    return list(dataclasses.fields(config_cls))
+
+
 @dataclass
 class EngineConfig:
     model: str | None = _knob(
@@ -84,9 +89,6 @@ class EngineConfig:
             return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
         return _DTYPES[self.dtype]
 
-    @classmethod
-    def knobs(cls) -> list[dataclasses.Field]:
-        return list(dataclasses.fields(cls))
 
 
 @dataclass
@@ -123,6 +125,3 @@ class ServerConfig:
     def max_request_body_bytes(self) -> int:
         return int(self.max_request_body_mb * 2**20)
 
-    @classmethod
-    def knobs(cls) -> list[dataclasses.Field]:
-        return list(dataclasses.fields(cls))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from brisk.cli import add_engine_arguments
+from brisk.args import add_engine_arguments
 
 
 def add_bench_parser(sub) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from brisk.cli import engine_config_from_args
+from brisk.args import engine_config_from_args
 from brisk.config import EngineConfig
 from brisk.engine.engine import LLMEngine
 from brisk.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-from brisk.cli import engine_config_from_args
+from brisk.args import engine_config_from_args
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 

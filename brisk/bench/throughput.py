@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.bench.hf_baseline import hf_generate, load_hf_model
-from brisk.cli import engine_config_from_args
+from brisk.args import engine_config_from_args
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 

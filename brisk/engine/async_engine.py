@@ -153,6 +153,9 @@ class AsyncEngine(EngineClient):
         load = QueueLoad(params.n, params.n * len(prompt_token_ids))
         self._add_pending(load, +1)
         self._post(_Add(request_id, prompt, list(prompt_token_ids), params, cache_salt, load))
+        if not self.is_alive:  # the loop stopped while this was posted: it will never answer
+            self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine loop is not running") from self.error
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
@@ -163,6 +166,8 @@ class AsyncEngine(EngineClient):
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the loop thread between steps; the only safe way to touch engine state."""
+        if not self.is_alive or self._stopping:
+            raise EngineDeadError("the engine loop is not running") from self.error
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._post(_Call(fn, loop, future))
@@ -178,14 +183,15 @@ class AsyncEngine(EngineClient):
         self.engine.stat_loggers.append(stat_logger)  # list append is atomic: the loop may be iterating
 
     def remove_stat_logger(self, stat_logger: StatLogger) -> None:
-        self.engine.stat_loggers.remove(stat_logger)
+        # A new list rather than remove(): the loop thread may be iterating the old one.
+        self.engine.stat_loggers = [s for s in self.engine.stat_loggers if s is not stat_logger]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
 
-    # ----- the loop thread ---------------------------------------------------------------------
+    # ----- helpers of the event loop's side -----------------------------------------------------
     def _forget(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
         if abort:
@@ -200,6 +206,7 @@ class AsyncEngine(EngineClient):
             self._pending = QueueLoad(self._pending.num_seqs + sign * load.num_seqs,
                                       self._pending.num_tokens + sign * load.num_tokens)
 
+    # ----- the loop thread -----------------------------------------------------------------------
     def _deliver(self, output: RequestOutput | None) -> None:
         stream = self._streams.get(output.request_id) if output is not None else None
         if stream is not None:
@@ -228,6 +235,17 @@ class AsyncEngine(EngineClient):
             dead = EngineDeadError("the engine loop stopped" if self.error is None else f"the engine failed: {self.error!r}")
             for stream in list(self._streams.values()):
                 stream.put(dead)
+            self._fail_inbox(dead)
+
+    def _fail_inbox(self, dead: EngineDeadError) -> None:
+        """Answers what was posted after the loop's last look at its inbox: nobody else will."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Call):
+                command.loop.call_soon_threadsafe(_settle, command.future, None, dead)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -258,6 +276,7 @@ class AsyncEngine(EngineClient):
                                     command.params, request_id=command.request_id, cache_salt=command.cache_salt)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
             logger.exception("request %s could not be added", command.request_id)
+            self.engine.abort_request(command.request_id)  # whatever part of it was registered
             stream = self._streams.get(command.request_id)
             if stream is not None:
                 stream.put(exc)

@@ -56,10 +56,6 @@ class LLMEngine:
             raise ConfigError(
                 f"the KV cache holds {num_blocks * c.block_size} tokens, fewer than max_model_len="
                 f"{self.max_model_len}: raise kv_cache_memory_gib / num_kv_blocks or lower max_model_len")
-        if not c.enable_chunked_prefill and c.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is off, or a long prompt could never run")
         return num_blocks
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,

@@ -11,9 +11,12 @@ Order within a step (no phases: every request just has tokens left to compute):
   2. prefills that can finish in this step, running ones first, then waiting ones in arrival
      order: a short request that arrives behind a long prompt is admitted at the next step and
      gets its first token from it, instead of waiting out the long prefill;
-  3. what budget is left goes to the prefills that cannot finish, oldest first, as chunks.
+  3. what budget is left goes to the prefills that cannot finish, oldest first, as chunks (the
+     oldest one advances by at least a token even when decodes took the whole budget).
 While some prefill cannot finish in one step, step 2 keeps a quarter of the budget back for
-step 3, so a stream of short arrivals can slow a long prompt down but never stop it.
+step 3, so a stream of short arrivals can slow a long prompt down but not stop it. Without
+chunked prefill, prompts are admitted in arrival order, and one over the budget runs as the
+step's only prefill.
 
 When the block pool cannot hold a running request's next tokens, the newest running request
 is preempted: its blocks go back to the pool and it returns to the head of the waiting queue,
@@ -24,6 +27,7 @@ requests never preempt anyone.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import time
@@ -153,34 +157,42 @@ class Scheduler:
         return True
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: float) -> None:
-        candidates = [_Prefill(r, r.num_computed_tokens, ()) for r in self.running
+        candidates = [_Prefill(r, r.num_computed_tokens) for r in self.running
                       if r.num_tokens - r.num_computed_tokens > 1]
         seats = self.max_num_seqs - len(self.running)
         for request in itertools.islice(self.waiting, max(seats, 0)):
-            cached = self.kv.find_cached_prefix(request)
-            candidates.append(_Prefill(request, len(cached) * self.kv.block_size, cached))
-        long = [c for c in candidates if self.cost(c.remaining, c.num_computed) > budget]
-        reserve = budget / 4 if long and self.enable_chunked_prefill else 0.0
-        admitting = True  # waiting requests are admitted in arrival order until one does not fit
+            hit = len(self.kv.find_cached_prefix(request)) * self.kv.block_size
+            candidates.append(_Prefill(request, hit))
+        chunked = self.enable_chunked_prefill
+        long = any(self.cost(c.remaining, c.num_computed) > budget for c in candidates)
+        reserve = budget / 4 if long and chunked else 0.0
+        admitting = True  # waiting requests are admitted in arrival order until one cannot be
         for c in candidates:  # prefills that finish in this step
-            cost = self.cost(c.remaining, c.num_computed)
-            if cost <= budget - reserve and (c.running or admitting):
-                if self._start_prefill(c, c.remaining, out):
-                    budget -= cost
-                elif not c.running:
-                    admitting = False
-                if out.preempted:  # memory is short: stop here
-                    return
-        for c in candidates:  # chunks of the rest, oldest first
-            if c.scheduled or (not c.running and not admitting):
+            if not (c.running or admitting):
                 continue
-            if self.enable_chunked_prefill:
-                n = self.cost.max_tokens(budget, c.num_computed, c.remaining)
-            else:  # a whole prompt, alone if it is over the budget
-                n = c.remaining if not any(x.scheduled for x in candidates) else 0
+            cost = self.cost(c.remaining, c.num_computed)
+            alone = not chunked and not any(x.scheduled for x in candidates)
+            if cost > budget - reserve and not alone:  # without chunking, an over-budget prompt runs alone
+                admitting = admitting and chunked  # without chunking, nobody overtakes it
+                continue
+            if self._start_prefill(c, c.remaining, out):
+                budget -= cost
+            elif not c.running:
+                admitting = False
+            if out.preempted:  # memory is short: stop here
+                return
+        if not chunked:
+            return
+        for c in candidates:  # chunks of the rest, oldest first
+            if c.scheduled or not (c.running or admitting):
+                continue
+            n = self.cost.max_tokens(budget, c.num_computed, c.remaining)
+            if n == 0 and not any(x.scheduled for x in candidates):
+                n = 1  # decodes took the whole budget: the oldest prefill still advances
             if n == 0:
                 return
-            if not self._start_prefill(c, n, out) and not c.running or out.preempted:
+            started = self._start_prefill(c, n, out)
+            if out.preempted or not (started or c.running):
                 return
             budget -= self.cost(n, c.num_computed)
 
@@ -189,9 +201,13 @@ class Scheduler:
         if c.running:
             if not self._allocate_running(request, n, out):
                 return False
-        elif len(self.running) >= self.max_num_seqs or not self.kv.allocate(request, n, c.cached):
-            return False
         else:
+            if len(self.running) >= self.max_num_seqs:
+                return False
+            # Looked up again: blocks this step allocated may have evicted part of the hit.
+            cached = self.kv.find_cached_prefix(request)
+            if len(cached) * self.kv.block_size != c.num_computed or not self.kv.allocate(request, n, cached):
+                return False
             self._admit(request, c.num_computed)
         c.scheduled = True
         out.chunks.append(ScheduledChunk(request, n))
@@ -205,7 +221,9 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
             request.times.first_scheduled = time.monotonic()
-        self.running.append(request)
+        # Kept in arrival order, so the newest request is the one preempted, whatever order the
+        # step admitted them in (a preempted long prompt re-admitted after short ones stays older).
+        bisect.insort(self.running, request, key=lambda r: r.arrival_time)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if front:
@@ -267,7 +285,6 @@ class _Prefill:
 
     request: Request
     num_computed: int  # tokens with K/V once it runs (a waiting request's prefix-cache hit)
-    cached: tuple | list  # a waiting request's prefix-cache hit blocks
     scheduled: bool = False
 
     @property

@@ -10,7 +10,6 @@ fit now gets 429 with Retry-After.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from typing import AsyncIterator
@@ -134,7 +133,8 @@ class Serving:
                 final = output
             return final
 
-        gathered = asyncio.gather(*(last(s) for s in streams))
+        tasks = [asyncio.ensure_future(last(s)) for s in streams]
+        gathered = asyncio.gather(*tasks)
         try:
             while True:
                 done, _ = await asyncio.wait({gathered}, timeout=0.5)
@@ -143,10 +143,9 @@ class Serving:
                 if await http.is_disconnected():
                     return None
         finally:
-            if not gathered.done():
-                gathered.cancel()  # cancels every task: each stream's cleanup aborts its request
-                with contextlib.suppress(asyncio.CancelledError):
-                    await gathered
+            for task in tasks:  # the client left, or one stream failed: each cancelled stream aborts its request
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:

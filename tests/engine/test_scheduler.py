@@ -167,3 +167,52 @@ def test_a_decode_preempted_later_in_the_same_step_is_not_scheduled():
     assert [r.request_id for r in out.preempted] == ["new"]
     assert plan == [("old", 7)]
     assert s.requests["new"].status is RequestStatus.WAITING and s.requests["new"].num_computed_tokens == 0
+
+
+def test_a_prefix_hit_evicted_earlier_in_the_same_step_is_looked_up_again():
+    """w1's new blocks evict p's cached blocks, which w2 had counted as its hit when the step began."""
+    s = _scheduler(num_blocks=6, block_size=4, budget=64)
+    s.add(_request("p", 9, max_tokens=1))
+    _step(s)
+    assert s.kv.num_cached_blocks == 2
+    s.add(_request("w1", 20, first_token=100))
+    s.add(_request("w2", 9))  # p's prompt again
+    plan, _ = _step(s)
+    assert plan == [("w1", 20)]  # w2 waits: its hit is gone and the pool is full
+    while "w1" in s.requests:
+        _step(s)
+    assert _step(s)[0] == [("w2", 9)] and s.requests["w2"].num_cached_tokens == 0
+
+
+def test_a_preempted_long_prompt_is_not_preempted_again_for_newer_requests():
+    s = _scheduler(num_blocks=24, block_size=4, budget=32, max_num_seqs=16, prefix=False)
+    long = _request("long", 80, max_tokens=2, first_token=1000)
+    s.add(long)
+    for step in range(300):
+        if step % 2 == 0:
+            s.add(_request(f"s{step}", 16, max_tokens=8, first_token=step))
+        _step(s)
+        if "long" not in s.requests:
+            break
+    assert long.is_finished and long.num_preemptions <= 1
+
+
+def test_without_chunking_a_long_prompt_is_not_overtaken_forever():
+    s = _scheduler(num_blocks=256, block_size=16, budget=64, chunked=False, attention_cost_context=100)
+    s.add(_request("long", 60))  # costs more than the budget at this attention price: it runs alone
+    for step in range(3):
+        s.add(_request(f"s{step}", 4, max_tokens=1, first_token=100 + 4 * step))
+        plan, _ = _step(s)
+        if ("long", 60) in plan:
+            break
+    assert plan == [("long", 60)] and step == 0
+
+
+def test_a_prefill_advances_even_when_one_token_costs_more_than_the_budget():
+    s = _scheduler(num_blocks=64, block_size=16, budget=16, attention_cost_context=10)
+    s.add(_request("r", 399))
+    for _ in range(400):
+        if s.requests["r"].num_output_tokens:
+            break
+        _step(s)
+    assert s.requests["r"].num_output_tokens == 1

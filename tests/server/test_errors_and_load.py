@@ -157,3 +157,6 @@ def test_health_and_requests_answer_503_once_the_engine_loop_stopped(tmp_path):
         assert httpx.get(f"{url}/health").status_code == 503
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "w3 w4", "max_tokens": 2})
         assert _error(r, 503)["type"] == "server_error"
+        # Routes that ask the loop thread for something answer too, instead of waiting forever.
+        assert _error(httpx.get(f"{url}/v1/cache/stats", timeout=10), 503)["type"] == "server_error"
+        assert _error(httpx.delete(f"{url}/v1/cache", timeout=10), 503)["type"] == "server_error"

@@ -1,0 +1,48 @@
+"""Command-line flags generated from the config dataclasses: one flag per field, with the
+field's default and help, so a knob is declared once (in brisk/config.py) and every command
+that runs an engine (`generate`, `chat`, `serve`, `bench ...`) takes it under the same name."""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING
+from typing import TypeVar
+
+from brisk.config import EngineConfig, ServerConfig, knobs
+
+C = TypeVar("C", EngineConfig, ServerConfig)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], title: str) -> None:
+    """One flag per field of config_cls, with the field's default and help."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(config_cls)
+    for f in knobs(config_cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        default = f.default if f.default is not MISSING else None
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+        else:
+            group.add_argument(flag, type=kind, default=default, help=f.metadata["help"])
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, EngineConfig, "engine options")
+
+
+def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
+    return config_cls(**{f.name: getattr(args, f.name) for f in knobs(config_cls)})
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return config_from_args(EngineConfig, args)
+
+
+def _base_type(hint) -> type:
+    """`int | None` -> int."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
