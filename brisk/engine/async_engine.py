@@ -114,6 +114,8 @@ class AsyncEngine(EngineClient):
         self.model_info = ModelInfo.of(self.engine)
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()
+        self._inbox_closed = False
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._pending = QueueLoad(0, 0)  # added but not yet drained by the loop thread
@@ -152,8 +154,8 @@ class AsyncEngine(EngineClient):
         self._streams[request_id] = stream
         load = QueueLoad(params.n, params.n * len(prompt_token_ids))
         self._add_pending(load, +1)
-        self._post(_Add(request_id, prompt, list(prompt_token_ids), params, cache_salt, load))
-        if not self.is_alive:  # the loop stopped while this was posted: it will never answer
+        if not self._post(_Add(request_id, prompt, list(prompt_token_ids), params, cache_salt, load)):
+            self._add_pending(load, -1)
             self._streams.pop(request_id, None)
             raise EngineDeadError("the engine loop is not running") from self.error
         return RequestStream(self, request_id, stream)
@@ -166,11 +168,10 @@ class AsyncEngine(EngineClient):
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the loop thread between steps; the only safe way to touch engine state."""
-        if not self.is_alive or self._stopping:
-            raise EngineDeadError("the engine loop is not running") from self.error
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._post(_Call(fn, loop, future))
+        if not self._post(_Call(fn, loop, future)):
+            raise EngineDeadError("the engine loop is not running") from self.error
         return await future
 
     async def stats(self) -> EngineSnapshot:
@@ -197,9 +198,14 @@ class AsyncEngine(EngineClient):
         if abort:
             self.abort(request_id)
 
-    def _post(self, command: _Add | _Abort | _AbortAll | _Call) -> None:
-        self._inbox.put(command)
+    def _post(self, command: _Add | _Abort | _AbortAll | _Call) -> bool:
+        """Queues a command for the loop; False once the loop has closed its inbox for good."""
+        with self._inbox_lock:
+            if self._inbox_closed:
+                return False
+            self._inbox.put(command)
         self._wakeup.set()
+        return True
 
     def _add_pending(self, load: QueueLoad, sign: int) -> None:
         with self._pending_lock:
@@ -233,12 +239,14 @@ class AsyncEngine(EngineClient):
             raise
         finally:
             dead = EngineDeadError("the engine loop stopped" if self.error is None else f"the engine failed: {self.error!r}")
+            with self._inbox_lock:  # from here on _post refuses: nothing can be posted and never answered
+                self._inbox_closed = True
             for stream in list(self._streams.values()):
                 stream.put(dead)
             self._fail_inbox(dead)
 
     def _fail_inbox(self, dead: EngineDeadError) -> None:
-        """Answers what was posted after the loop's last look at its inbox: nobody else will."""
+        """Answers what was posted after the loop's last look at its inbox."""
         while True:
             try:
                 command = self._inbox.get_nowait()

@@ -9,8 +9,9 @@ import time
 import httpx
 import pytest
 
-from brisk.engine.async_engine import AsyncEngine
+from brisk.engine.async_engine import AsyncEngine, EngineDeadError
 from brisk.config import EngineConfig
+from brisk.sampling_params import SamplingParams
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import metric_values
 from tests.server.conftest import running_server
@@ -160,3 +161,14 @@ def test_health_and_requests_answer_503_once_the_engine_loop_stopped(tmp_path):
         # Routes that ask the loop thread for something answer too, instead of waiting forever.
         assert _error(httpx.get(f"{url}/v1/cache/stats", timeout=10), 503)["type"] == "server_error"
         assert _error(httpx.delete(f"{url}/v1/cache", timeout=10), 503)["type"] == "server_error"
+    # The client side of a stopped engine: commands are refused at once, aborts are a no-op.
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.call(lambda e: e.snapshot()))
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_first_output(engine))
+    engine.abort("anything")
+
+
+async def _first_output(engine: AsyncEngine):
+    async for output in engine.generate([3, 4], SamplingParams(max_tokens=2), "after-shutdown"):
+        return output
