@@ -105,7 +105,8 @@ def calibrate(config: EngineConfig, chunk: int, contexts: list[int]) -> None:
 def main(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     if args.calibrate:
-        calibrate(config, args.calibrate_chunk, [512, 1024, 2048, 4096, 6144, 7168])
+        chunk = args.calibrate_chunk  # contexts where a chunk starts: multiples of the chunk size
+        calibrate(config, chunk, sorted({max(1, round(c / chunk)) * chunk for c in (512, 1024, 2048, 4096, 6144, 7168)}))
     engine = LLMEngine(config)
     print(f"model: {engine.spec.name or engine.checkpoint.path} ({engine.dtype}), threads: {torch.get_num_threads()}, "
           f"step budget {engine.config.max_num_batched_tokens}")

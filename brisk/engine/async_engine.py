@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 from brisk.config import EngineConfig
 from brisk.engine.client import EngineClient, EngineDeadError, ModelInfo, QueueLoad
@@ -245,22 +245,22 @@ class AsyncEngine(EngineClient):
                 stream.put(dead)
             self._fail_inbox(dead)
 
-    def _fail_inbox(self, dead: EngineDeadError) -> None:
-        """Answers what was posted after the loop's last look at its inbox."""
+    def _commands(self) -> Iterator[_Add | _Abort | _AbortAll | _Call]:
+        """Everything posted so far, in order, without waiting."""
         while True:
             try:
-                command = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _fail_inbox(self, dead: EngineDeadError) -> None:
+        """Answers what was posted after the loop's last look at its inbox."""
+        for command in self._commands():
             if isinstance(command, _Call):
                 command.loop.call_soon_threadsafe(_settle, command.future, None, dead)
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._commands():
             match command:
                 case _Add():
                     self._add(command)
