@@ -56,7 +56,7 @@ class EngineConfig:
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
     enable_chunked_prefill: bool = _knob(True, "Split long prompts across steps so decodes keep flowing.")
     enable_prefix_caching: bool = _knob(True, "Reuse KV blocks of prompts that share a prefix.")
-    seed: int = _knob(0, "Seed of the sampler's random generator for requests without a seed.")
+    seed: int = _knob(0, "Seed of the generator that gives each request without a seed its own.")
     num_threads: int | None = _knob(None, "CPU threads for torch; default: all cores.")
 
     def __post_init__(self) -> None:

@@ -48,6 +48,19 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(fp)
     fp.set_defaults(func=_fairness, dtype="float32", kv_cache_memory_gib=2.0)
 
+    sm = kinds.add_parser("sampling", help="sampling settings vs greedy on the same batch")
+    sm.add_argument("--num-prompts", type=int, default=32)
+    sm.add_argument("--output-len", type=int, default=64)
+    sm.add_argument("--rounds", type=int, default=3)
+    add_engine_arguments(sm)
+    sm.set_defaults(func=_sampling, dtype="float32", kv_cache_memory_gib=2.0)
+
+
+def _sampling(args: argparse.Namespace) -> None:
+    from brisk.bench.sampling import main
+
+    main(args)
+
 
 def _fairness(args: argparse.Namespace) -> None:
     from brisk.bench.fairness import main

@@ -7,6 +7,7 @@ update (append tokens, finish, free blocks, detokenize). Everything else hangs o
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from dataclasses import replace
 
@@ -40,7 +41,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context)
-        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device, config.seed)
+        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device)
+        self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
@@ -65,22 +67,21 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         params = self.validate(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        children = [
-            Request(
+        children = []
+        for i in range(params.n):
+            child_params = self._child_params(params, i)
+            seed = child_params.seed if child_params.seed is not None else self._seeds.getrandbits(64)
+            children.append(Request(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}",
                 prompt_token_ids=token_ids,
-                params=self._child_params(params, i),
+                params=child_params,
                 eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                 max_model_len=self.max_model_len,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
                 child_index=i,
-            )
-            for i in range(params.n)
-        ]
-        for child in children:
-            if child.params.seed is not None:
-                child.generator = torch.Generator(device=self.device).manual_seed(child.params.seed)
+                sampling_seed=seed,
+            ))
         self.output_processor.add(request_id, text, children)
         for child in children:
             self.scheduler.add(child)

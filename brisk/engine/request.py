@@ -12,8 +12,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from brisk.sampling_params import SamplingParams
 
 
@@ -53,7 +51,7 @@ class Request:
     child_index: int = 0  # which of the user request's n sequences this is
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    sampling_seed: int = 0  # the sequence's random stream (sample/random.py): params.seed or drawn by the engine
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
-from brisk.sample.sampler import Sampler, SamplingBatch, SamplingRow
+from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 
 
 @dataclass
@@ -47,8 +47,7 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, dtype: torch.dtype, device: torch.device,
-                 seed: int):
+    def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, dtype: torch.dtype, device: torch.device):
         spec = model.spec
         self.model = model
         self.kv = kv
@@ -60,7 +59,6 @@ class ModelRunner:
         v_shape = (kv.num_blocks, spec.num_kv_heads, kv.block_size, spec.head_dim)
         self.kv_caches = [(torch.zeros(k_shape, dtype=dtype, device=device),
                            torch.zeros(v_shape, dtype=dtype, device=device)) for _ in range(spec.num_layers)]
-        self.sampler = Sampler(seed, device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -78,7 +76,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
         logits = self.model.compute_logits(hidden)
         rows = [_sampling_row(r) for r in requests]
-        sampled = self.sampler(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device))
+        sampled = sample(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device))
         tokens = sampled.token_ids.tolist()
         out.sampled = {r.request_id: token for r, token in zip(requests, tokens)}
         if sampled.logprobs is not None:
@@ -153,4 +151,4 @@ class ModelRunner:
 
 def _sampling_row(request: Request) -> SamplingRow:
     return SamplingRow(request.params, request.token_ids, request.num_prompt_tokens, request.eos_token_ids,
-                       request.generator)
+                       request.sampling_seed)

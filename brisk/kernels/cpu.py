@@ -36,6 +36,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the var
     "paged_decode_attention": [_PTR] * 6 + [_I64] * 4 + [ctypes.c_float],
     "paged_prefill_attention": [_PTR] * 5 + [_I64] * 4 + [ctypes.c_float],
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
+    "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
 }
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SMALL_BATCH_ROWS = 8  # up to this many rows linear_rows beats BLAS (measured crossover ~10-12)
@@ -135,4 +136,21 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     getattr(_library("linear.c"), f"linear_rows_{_SUFFIXES[x.dtype]}")(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         m, weight.shape[0], k)
+    return out
+
+
+def sampling_available(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and _library("sampling.c") is not None
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token id per row of logits [B, V] (float32); see sampling.c for the rule. Per-row
+    parameters are [B] tensors: temperature, top_p, min_p float32, top_k int64, uniforms float64."""
+    logits = logits.contiguous()
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.long)
+    _library("sampling.c").sample_rows_f32(
+        logits.data_ptr(), rows, n, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
+        uniforms.data_ptr(), out.data_ptr())
     return out

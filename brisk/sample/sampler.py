@@ -1,12 +1,24 @@
 """Logits -> next tokens for a whole batch at once, each row with its own sampling params.
 
 Order of operations (as in vLLM): raw logprobs are taken first (what `logprobs` reports),
-then penalties and min_tokens bans, then greedy rows take the argmax, and the others go
-through temperature, min_p, top-k and top-p before sampling.
+then penalties and min_tokens bans (only on the rows that have them), then one call samples
+every row: greedy rows take the argmax, the others go through temperature, min_p, top-k and
+top-p, then an inverse-CDF draw with one uniform per row.
 
-Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly, and
-the noise for a seeded request comes from that request's own generator, one draw per step, so
-its output does not depend on what else is in the batch.
+The uniform of a row is a pure function of its sequence's seed and the output position being
+sampled (sample/random.py), so a seeded request's tokens do not depend on what else is in the
+batch, on preemption, or on the order requests arrived in. Sequences without a seed get one
+drawn by the engine when they are added.
+
+The rule (threshold semantics: a token tied with the k-th best or with the nucleus edge stays in):
+    w_i   = exp((z_i - max z) / T)                 z: the adjusted logits; the best token's w is 1
+    min_p:  drop w_i < min_p
+    top_k:  drop w_i < the k-th largest w
+    top_p:  drop w_i < w_(c), c the fewest best tokens holding p of the remaining mass
+    token = the smallest id i with  sum_{j <= i} w_j > u * sum_j w_j
+
+On CPU one C kernel (kernels/sampling.c) runs it without sorting the vocabulary; `_sample_torch`
+is the same rule as tensor ops, for other devices and as the kernel's reference in the tests.
 
 The package knows nothing of the engine: a row is a `SamplingRow`, which the model runner
 fills from its requests.
@@ -18,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from brisk.kernels import cpu as cpu_kernels
 from brisk.sample.logprobs import RankedLogprobs, rank_targets
 from brisk.sample.penalties import Penalties, uses_penalties
+from brisk.sample.random import to_int64, uniforms
 from brisk.sampling_params import SamplingParams
 
 
@@ -35,7 +49,7 @@ class SamplingRow:
     token_ids: list[int]
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...] = ()
-    generator: torch.Generator | None = None  # the sequence's own RNG when params.seed is set
+    seed: int = 0  # the sequence's random stream: params.seed, or one the engine drew for it
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -52,17 +66,21 @@ class SamplingRow:
 
 @dataclass
 class SamplingBatch:
-    """Per-row parameters of one step's sampling, as tensors on the model's device."""
+    """Per-row parameters of one step's sampling, as tensors on the model's device.
 
-    temperature: torch.Tensor  # [B]; greedy rows hold 1.0 so division is safe
-    greedy: torch.Tensor  # [B] bool
-    all_greedy: bool
-    top_k: torch.Tensor | None  # [B] long, vocab_size where off
-    top_p: torch.Tensor | None  # [B]
-    min_p: torch.Tensor | None  # [B]
-    penalties: Penalties | None
-    banned: torch.Tensor | None  # [B, V] bool: EOS/stop ids held back until min_tokens are out
-    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    Every column is always present (a neutral value where a row does not use the feature), so
+    one kernel call serves any mix of rows; what is built per row only for some rows
+    (penalties, bans) covers just those rows.
+    """
+
+    temperature: torch.Tensor  # [B] float32; 0 for greedy rows
+    top_k: torch.Tensor  # [B] int64; 0 where off
+    top_p: torch.Tensor  # [B] float32; 1 where off
+    min_p: torch.Tensor  # [B] float32; 0 where off
+    uniforms: torch.Tensor | None  # [B] float64, one draw per row; None when every row is greedy
+    penalties: Penalties | None  # for the rows penalty_rows only
+    penalty_rows: torch.Tensor | None  # [P] int64
+    bans: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids): EOS/stop ids held back until min_tokens
     num_logprobs: int | None  # most top logprobs any row asked for; None if none asked
 
     @classmethod
@@ -72,22 +90,35 @@ class SamplingBatch:
         def column(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        greedy = [p.greedy for p in params]
+        penalized = [i for i, p in enumerate(params) if uses_penalties(p)]
+        all_greedy = all(p.greedy for p in params)
         return cls(
-            temperature=column([1.0 if p.greedy else p.temperature for p in params]),
-            greedy=column(greedy, torch.bool),
-            all_greedy=all(greedy),
-            top_k=column([p.top_k or vocab_size for p in params], torch.long)
-            if any(p.top_k for p in params) else None,
-            top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
-            min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
-            penalties=Penalties.from_tokens(params, [r.prompt_token_ids for r in rows],
-                                            [r.output_token_ids for r in rows], vocab_size, device)
-            if any(uses_penalties(p) for p in params) else None,
-            banned=_min_tokens_bans(rows, vocab_size, device),
-            generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
+            temperature=column([0.0 if p.greedy else p.temperature for p in params]),
+            top_k=column([p.top_k for p in params], torch.long),
+            top_p=column([p.top_p for p in params]),
+            min_p=column([p.min_p for p in params]),
+            uniforms=None if all_greedy else uniforms(column([to_int64(r.seed) for r in rows], torch.long),
+                                                      column([r.num_output_tokens for r in rows], torch.long)),
+            penalties=Penalties.from_tokens([params[i] for i in penalized],
+                                            [rows[i].prompt_token_ids for i in penalized],
+                                            [rows[i].output_token_ids for i in penalized], vocab_size, device)
+            if penalized else None,
+            penalty_rows=column(penalized, torch.long) if penalized else None,
+            bans=_min_tokens_bans(rows, device),
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.uniforms is None
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties and bans, in place on the rows that have them."""
+        if self.penalty_rows is not None:
+            logits[self.penalty_rows] = self.penalties.apply(logits[self.penalty_rows])
+        if self.bans is not None:
+            logits[self.bans] = float("-inf")
+        return logits
 
 
 @dataclass
@@ -98,61 +129,59 @@ class SamplerOutput:
     logprobs: RankedLogprobs | None = None
 
 
-class Sampler:
-    def __init__(self, seed: int, device: torch.device):
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
-        if batch.penalties is not None:
-            logits = batch.penalties.apply(logits)
-        if batch.banned is not None:
-            logits = logits.masked_fill(batch.banned, float("-inf"))
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """[B, V] float32 logits (modified in place) -> one token per row."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
+    logits = batch.adjust(logits)
+    if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            sampled = self._sample(logits, batch)
-            tokens = torch.where(batch.greedy, tokens, sampled)
-        if raw_logprobs is None:
-            return SamplerOutput(tokens)
-        return SamplerOutput(tokens, rank_targets(raw_logprobs, tokens, batch.num_logprobs))
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits / batch.temperature.unsqueeze(1)
-        if batch.min_p is not None:
-            probs = torch.softmax(logits, dim=-1)
-            threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in batch.generators.items():
-            noise[row].exponential_(generator=generator)
-        # The draw can be exactly 0; a masked token (p = 0) would then score 0/0 = NaN, which argmax picks.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+    elif cpu_kernels.sampling_available(logits):
+        tokens = cpu_kernels.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
+                                         batch.uniforms)
+    else:
+        tokens = _sample_torch(logits, batch)
+    if raw_logprobs is None:
+        return SamplerOutput(tokens)
+    return SamplerOutput(tokens, rank_targets(raw_logprobs, tokens, batch.num_logprobs))
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Masks everything outside each row's top-k and its smallest top-p nucleus."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of all better tokens
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The module docstring's rule as tensor ops (sorts the vocabulary when top-k or top-p is on)."""
+    greedy = batch.temperature == 0
+    inverse_t = torch.where(greedy, 1.0, batch.temperature).reciprocal().unsqueeze(1)
+    finite = logits.isfinite()
+    top = logits.masked_fill(~finite, float("-inf")).amax(dim=-1, keepdim=True)
+    weights = torch.where(finite, ((logits - top) * inverse_t).exp(), 0.0)
+    weights = weights.masked_fill(weights < batch.min_p.unsqueeze(1), 0.0)
+    if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any()):
+        weights = _top_k_top_p(weights, batch.top_k, batch.top_p)
+    cumulative = weights.double().cumsum(dim=-1)
+    target = batch.uniforms.unsqueeze(1) * cumulative[:, -1:]
+    last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)  # rounding can leave target >= sum
+    tokens = torch.searchsorted(cumulative, target, right=True).squeeze(1).minimum(last)
+    return torch.where(greedy, logits.argmax(dim=-1), tokens)
 
 
-def _min_tokens_bans(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    short = [(i, r) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
-    if not short:
+def _top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes every weight below each row's k-th largest, then below its nucleus edge."""
+    ordered = weights.sort(dim=-1, descending=True).values
+    k = torch.where(top_k > 0, top_k, weights.shape[-1]).clamp_max(weights.shape[-1])
+    kth = ordered.gather(1, (k - 1).unsqueeze(1))
+    weights = weights.masked_fill(weights < kth, 0.0)
+    ordered = ordered.masked_fill(ordered < kth, 0.0)
+    cumulative = ordered.double().cumsum(dim=-1)
+    goal = top_p.double().unsqueeze(1) * cumulative[:, -1:]
+    edge_index = (cumulative < goal).sum(dim=-1, keepdim=True).clamp_max(weights.shape[-1] - 1)
+    edge = torch.where(top_p.unsqueeze(1) < 1, ordered.gather(1, edge_index), 0.0)
+    return weights.masked_fill(weights < edge, 0.0)
+
+
+def _min_tokens_bans(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token id) pairs of the EOS and stop ids each row may not yet produce."""
+    pairs = [(i, token) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens
+             for token in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else r.eos_token_ids))]
+    if not pairs:
         return None
-    banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-    for i, r in short:
-        ids = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
-        banned[i, ids] = True
-    return banned.to(device)
+    row_ids, token_ids = zip(*pairs)
+    return (torch.tensor(row_ids, dtype=torch.long, device=device),
+            torch.tensor(token_ids, dtype=torch.long, device=device))

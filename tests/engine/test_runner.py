@@ -38,7 +38,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture
 def runner(tiny_model) -> ModelRunner:
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
-    return ModelRunner(tiny_model, kv, torch.float32, CPU, seed=0)
+    return ModelRunner(tiny_model, kv, torch.float32, CPU)
 
 
 def _chunk(runner: ModelRunner, rid: str, prompt: list[int], computed: int, num_new: int, output=(),
@@ -116,7 +116,7 @@ def test_execute_samples_and_reports_logprobs_only_where_asked(runner):
 
 def test_prompt_logprobs_of_a_fresh_chunk_do_not_depend_on_the_rest_of_the_batch(runner, tiny_model):
     mixed = runner.execute(_mixed_step(runner)).prompt_logprobs["p2"]
-    alone_runner = ModelRunner(tiny_model, KVCacheManager(16, BLOCK_SIZE, False), torch.float32, CPU, seed=0)
+    alone_runner = ModelRunner(tiny_model, KVCacheManager(16, BLOCK_SIZE, False), torch.float32, CPU)
     alone = alone_runner.execute(SchedulerOutput([_chunk(alone_runner, "p2", list(range(60, 67)), 0, 5,
                                                          prompt_logprobs=2)])).prompt_logprobs["p2"]
     assert [list(e) for e in mixed] == [list(e) for e in alone]
@@ -126,10 +126,9 @@ def test_prompt_logprobs_of_a_fresh_chunk_do_not_depend_on_the_rest_of_the_batch
 
 
 def test_sampling_rows_share_the_request_tokens():
-    request = Request("r", [1, 2, 3], SamplingParams(seed=4), eos_token_ids=(2,))
+    request = Request("r", [1, 2, 3], SamplingParams(seed=4), eos_token_ids=(2,), sampling_seed=4)
     request.append_token(9)
-    request.generator = torch.Generator().manual_seed(4)
     row = _sampling_row(request)
     assert (row.prompt_token_ids, row.output_token_ids, row.eos_token_ids) == ([1, 2, 3], [9], (2,))
-    assert row.params is request.params and row.generator is request.generator
+    assert row.params is request.params and row.seed == 4 and row.num_output_tokens == 1
     assert row.token_ids is request.token_ids
