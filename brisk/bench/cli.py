@@ -55,6 +55,22 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(sm)
     sm.set_defaults(func=_sampling, dtype="float32", kv_cache_memory_gib=2.0)
 
+    st = kinds.add_parser("step", help="where a decode step's time goes: matmuls, attention, the rest")
+    st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    st.add_argument("--steps", type=int, default=100)
+    st.add_argument("--prompt-len", type=int, default=128)
+    st.add_argument("--temperature", type=float, default=0.0)
+    st.add_argument("--top-p", type=float, default=1.0)
+    st.add_argument("--torch-ops", action="store_true", help="also print torch.profiler's table of torch ops")
+    add_engine_arguments(st)
+    st.set_defaults(func=_step, dtype="float32", kv_cache_memory_gib=2.0)
+
+
+def _step(args: argparse.Namespace) -> None:
+    from brisk.bench.step import main
+
+    main(args)
+
 
 def _sampling(args: argparse.Namespace) -> None:
     from brisk.bench.sampling import main

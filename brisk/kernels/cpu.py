@@ -37,6 +37,10 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the var
     "paged_prefill_attention": [_PTR] * 5 + [_I64] * 4 + [ctypes.c_float],
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
     "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
+    "rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
+    "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
+    "silu_mul": [_PTR] * 2 + [_I64] * 2,
+    "rope_write_kv": [_PTR] * 11 + [ctypes.c_float] + [_I64] * 3,
 }
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SMALL_BATCH_ROWS = 8  # up to this many rows linear_rows beats BLAS (measured crossover ~10-12)
@@ -107,25 +111,36 @@ def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H_q, D] (contiguous), k_cache [blocks, H_kv, D, bs], v_cache [blocks, H_kv, bs, D] -> [n, H_q, D]."""
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """q [n, H_q, D] (contiguous), k_cache [blocks, H_kv, D, bs], v_cache [blocks, H_kv, bs, D] -> out [n, H_q, D]."""
     n, num_heads, _ = q.shape
-    out = torch.empty_like(q)
     getattr(_attention_library(v_cache), f"paged_decode_attention_{_SUFFIXES[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), n, num_heads, v_cache.shape[1], block_tables.shape[1], scale)
-    return out
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      start: int, scale: float) -> torch.Tensor:
-    """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> [L, H_q, D]."""
+                      start: int, scale: float, out: torch.Tensor) -> None:
+    """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> out [L, H_q, D]."""
     num_queries, num_heads, _ = q.shape
-    out = torch.empty_like(q)
     getattr(_attention_library(v_cache), f"paged_prefill_attention_{_SUFFIXES[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), out.data_ptr(),
         num_queries, start, num_heads, v_cache.shape[1], scale)
-    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                  num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """qkv [T, (H_q + 2 H_kv) * D] -> rotated q [T, H_q, D]; rotated k and v written to the cache slots.
+    See paged_attention.c for the layout and the rotation."""
+    num_tokens, head_dim = qkv.shape[0], v_cache.shape[3]
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
+    getattr(_attention_library(v_cache), f"rope_write_kv_{_SUFFIXES[qkv.dtype]}")(
+        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), q.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+        None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
+        num_tokens, num_heads, v_cache.shape[1])
+    return q
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -153,4 +168,36 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     _library("sampling.c").sample_rows_f32(
         logits.data_ptr(), rows, n, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
         uniforms.data_ptr(), out.data_ptr())
+    return out
+
+
+def layer_ops_available(x: torch.Tensor) -> bool:
+    """Whether the fused norm and activation kernels serve this tensor's device and dtype."""
+    return _on_cpu(x) and _library("layer_ops.c") is not None
+
+
+def _layer_op(name: str, dtype: torch.dtype):
+    return getattr(_library("layer_ops.c"), f"{name}_{_SUFFIXES[dtype]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight over the last dim of x, any shape."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _layer_op("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = rms_norm(residual) * weight (both contiguous [rows, dim])."""
+    _layer_op("add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+                                       eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    _layer_op("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out

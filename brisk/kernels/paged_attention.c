@@ -181,3 +181,57 @@ DEFINE_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, load_bf16, store_
 
 DEFINE_PREFILL_ATTENTION(paged_prefill_attention_f32, float, load_f32, store_f32)
 DEFINE_PREFILL_ATTENTION(paged_prefill_attention_bf16, uint16_t, load_bf16, store_bf16)
+
+/*
+ * The step's new tokens into the cache, with their rotary embedding: what runs between the QKV
+ * projection and attention, in one pass (it was a dozen torch ops and two scatter writes).
+ *
+ * qkv [tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM] holds each token's q, k and v heads.
+ * q heads are rotated into q_out [tokens, num_heads, HEAD_DIM]; k heads are rotated into the
+ * cache at (slot_blocks[t], slot_offsets[t]) in its transposed layout; v heads are copied there.
+ * Rotation is rotate-half ("neox") style with per-position tables cos and signed_sin
+ * [max_len, HEAD_DIM] (float32; signed_sin carries rotate_half's sign, see model/llama.py):
+ *     out[d] = x[d] * cos[d] + x[(d + HEAD_DIM / 2) % HEAD_DIM] * signed_sin[d]
+ * q_norm / k_norm (Qwen3's per-head RMSNorm before the rotation) are applied when not NULL.
+ */
+#define DEFINE_ROPE_WRITE_KV(NAME, T, LOAD, STORE)                                                        \
+    void NAME(const T *restrict qkv, const int64_t *restrict positions, const float *restrict cos_table,  \
+              const float *restrict sin_table, T *restrict q_out, T *restrict k_cache, T *restrict v_cache, \
+              const int64_t *restrict slot_blocks, const int64_t *restrict slot_offsets,                 \
+              const T *restrict q_norm, const T *restrict k_norm, float eps, int64_t num_tokens,        \
+              int64_t num_heads, int64_t num_kv_heads) {                                                  \
+        const int64_t stride = (num_heads + 2 * num_kv_heads) * HEAD_DIM, half = HEAD_DIM / 2;            \
+        _Pragma("omp parallel for if(num_tokens >= 16)")                                                  \
+        for (int64_t t = 0; t < num_tokens; t++) {                                                        \
+            const float *c = cos_table + positions[t] * HEAD_DIM, *s = sin_table + positions[t] * HEAD_DIM; \
+            const T *row = qkv + t * stride;                                                              \
+            for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {                                      \
+                const int is_q = h < num_heads;                                                           \
+                const T *norm = is_q ? q_norm : k_norm;                                                   \
+                float x[HEAD_DIM], y[HEAD_DIM];                                                           \
+                for (int64_t d = 0; d < HEAD_DIM; d++) x[d] = LOAD(row[h * HEAD_DIM + d]);                \
+                if (norm) {                                                                               \
+                    double squares = 0.0;                                                                 \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) squares += (double)x[d] * x[d];                \
+                    const float scale = 1.0f / sqrtf((float)(squares / HEAD_DIM) + eps);                  \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) x[d] = x[d] * scale * LOAD(norm[d]);           \
+                }                                                                                         \
+                _Pragma("omp simd")                                                                       \
+                for (int64_t d = 0; d < HEAD_DIM; d++) y[d] = x[d] * c[d] + x[(d + half) % HEAD_DIM] * s[d]; \
+                if (is_q) {                                                                               \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) q_out[(t * num_heads + h) * HEAD_DIM + d] = STORE(y[d]); \
+                } else {                                                                                  \
+                    T *keys = k_cache + (slot_blocks[t] * num_kv_heads + h - num_heads) * BLOCK_SIZE * HEAD_DIM; \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) keys[d * BLOCK_SIZE + slot_offsets[t]] = STORE(y[d]); \
+                }                                                                                         \
+            }                                                                                             \
+            const T *v = row + (num_heads + num_kv_heads) * HEAD_DIM;                                     \
+            for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
+                T *values = v_cache + ((slot_blocks[t] * num_kv_heads + h) * BLOCK_SIZE + slot_offsets[t]) * HEAD_DIM; \
+                for (int64_t d = 0; d < HEAD_DIM; d++) values[d] = v[h * HEAD_DIM + d];                   \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+DEFINE_ROPE_WRITE_KV(rope_write_kv_f32, float, load_f32, store_f32)
+DEFINE_ROPE_WRITE_KV(rope_write_kv_bf16, uint16_t, load_bf16, store_bf16)

@@ -82,25 +82,25 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H_q, D], k/v [T, H_kv, D] for this step's tokens -> attention output [T, H_q, D]."""
-    write_kv(k_cache, v_cache, k, v, meta)
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, H_q, D] (contiguous) of this step's tokens, whose K/V are already in the cache -> [T, H_q, D]."""
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        _decode_attention(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
     for span in meta.prefills:
-        out[span.start:span.end] = _prefill_attention(q, k, v, k_cache, v_cache, span, scale)
+        _prefill_attention(q[span.start:span.end], k_cache, v_cache, span, scale, out[span.start:span.end])
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, out: torch.Tensor) -> None:
     if cpu_kernels.available(v_cache):
-        return cpu_kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, scale)
-    return _decode_attention_torch(q, k_cache, v_cache, meta, scale)
+        cpu_kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                     scale, out)
+    else:
+        out.copy_(_decode_attention_torch(q, k_cache, v_cache, meta, scale))
 
 
 def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -121,22 +121,21 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out.reshape(n, h_q, d)
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan,
+                       scale: float, out: torch.Tensor) -> None:
+    """q [L, H_q, D]: the span's queries."""
     if cpu_kernels.available(v_cache):
-        return cpu_kernels.prefill_attention(q[span.start:span.end].contiguous(), k_cache, v_cache,
-                                             span.block_table, span.first_position, scale)
-    qs = q[span.start:span.end].transpose(0, 1)  # [H_q, L, D]
-    if span.first_position == 0:  # the chunk is the whole context: plain causal attention on its own K/V
-        ks = k[span.start:span.end].transpose(0, 1)
-        vs = v[span.start:span.end].transpose(0, 1)
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        cpu_kernels.prefill_attention(q, k_cache, v_cache, span.block_table, span.first_position, scale, out)
+        return
+    qs = q.transpose(0, 1)  # [H_q, L, D]
+    ks = _gather_context(k_cache[span.block_table].transpose(-1, -2), span)
+    vs = _gather_context(v_cache[span.block_table], span)
+    if span.first_position == 0:  # the chunk is the whole context: plain causal attention
+        result = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
     else:  # continuing a cached context
-        ks = _gather_context(k_cache[span.block_table].transpose(-1, -2), span)
-        vs = _gather_context(v_cache[span.block_table], span)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.causal_mask(q.device), scale=scale,
-                                             enable_gqa=True)
-    return out.transpose(0, 1)
+        result = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.causal_mask(q.device), scale=scale,
+                                                enable_gqa=True)
+    out.copy_(result.transpose(0, 1))
 
 
 def _gather_context(blocks: torch.Tensor, span: PrefillSpan) -> torch.Tensor:

@@ -1,14 +1,15 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over one flat token batch.
 
 Differences from transformers' modules, all for speed: q/k/v and gate/up are fused into one
-matmul each, RoPE cos/sin are looked up once per step (not per layer), and attention reads K/V
-through block tables (see attention.py). Weights keep Hugging Face names on the way in, so any
+matmul each, RoPE tables are shared by every layer, attention reads K/V through block tables
+(see attention.py), and on CPU the work between the matmuls runs in fused C kernels: residual
+add + RMSNorm in place, RoPE + the K/V cache write, SiLU-and-multiply (kernels/layer_ops.c,
+kernels/paged_attention.c; the torch code beside each call is their reference). Weights keep Hugging Face names on the way in, so any
 HF checkpoint or a GGUF file renamed to HF names loads through `load_weights`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -16,74 +17,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
-from brisk.model.attention import AttentionMetadata, paged_attention
+from brisk.model.attention import AttentionMetadata, paged_attention, write_kv
 from brisk.model.linear import Linear, linear
+from brisk.model.rope import Rope, RotaryEmbedding
 from brisk.model.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm that can take the residual stream along, as vLLM's does: `norm(x)` normalizes;
+    `norm(x, residual)` first adds x into the residual and returns (normalized, residual). On CPU
+    the fused kernel does both in place, in one pass, with no temporaries."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if cpu_kernels.layer_ops_available(x):
+            if residual is None:
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        residual = residual + x
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
-def rope_inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = spec.rope_scaling_dict
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return _llama3_scaled(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent scaling: long wavelengths slowed by `factor`, short kept."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_len, indexed by each token's position."""
-
-    def __init__(self, spec: ModelSpec, max_len: int):
-        super().__init__()
-        self.spec, self.max_len = spec, max_len
-        self.cos = self.signed_sin = None
-
-    def build(self, device: torch.device) -> None:
-        """Computes the fp32 tables; separate from __init__ so modules built on `meta` get real ones."""
-        inv_freq = rope_inverse_frequencies(self.spec)
-        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float64), inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        half = self.spec.head_dim // 2
-        # rotate_half(x) * sin == cat(x2, x1) * signed_sin with the sign folded into the table.
-        signed_sin = torch.cat((-angles[:, :half].sin(), angles[:, half:].sin()), dim=-1)
-        self.cos = angles.cos().float().to(device)
-        self.signed_sin = signed_sin.float().to(device)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, signed sin of shape [T, 1, D], shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    if cpu_kernels.layer_ops_available(gate_up):
+        return cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -98,30 +65,38 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        q = self._rotate_and_cache(self.qkv_proj(x), rope, kv_cache, meta)
+        out = paged_attention(q, *kv_cache, meta, self.scale)
+        return self.o_proj(out.view(x.shape[0], self.q_size))
+
+    def _rotate_and_cache(self, qkv: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, q + 2 kv] -> rotated q [T, H, D]; this step's rotated K and V go into the cache."""
+        if cpu_kernels.available(kv_cache[1]):
+            norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            return cpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, *kv_cache,
+                                             meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms,
+                                             self.q_norm.eps if self.q_norm is not None else 0.0)
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.view(t, self.q_size))
+        write_kv(*kv_cache, rope.apply(k), v.reshape(t, self.num_kv_heads, self.head_dim), meta)
+        return rope.apply(q)
 
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -132,9 +107,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's input, the residual stream before it) -> the same for the next layer.
+        The first layer gets the embeddings as x and no residual."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 # HF checkpoint names that land in a slice of one of our fused parameters: (fused name, shard index).
@@ -157,11 +141,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """[T] token ids -> [T, hidden] final hidden states (logits are taken only where needed)."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32. Past a few rows computed as (W @ h^T)^T: for the tall

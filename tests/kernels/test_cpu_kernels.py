@@ -1,14 +1,17 @@
-"""The C attention kernels against the torch formulation they replace, on random paged caches:
-odd lengths, block boundaries, GQA groups, continuing chunks, fp32 and bf16."""
+"""The C kernels against the torch formulation they replace: attention on random paged caches
+(odd lengths, block boundaries, GQA groups, continuing chunks), RoPE + the cache write, the
+fused norms and activation, the small-batch linear; fp32 and bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.model import attention
-from brisk.model.attention import AttentionMetadata, PrefillSpan
+from brisk.model.attention import AttentionMetadata, PrefillSpan, write_kv
+from brisk.model.rope import Rope
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.zeros(1, 1, 16, 64)), reason="no C compiler")
 
@@ -26,6 +29,12 @@ def _torch_only(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "available", lambda cache: False)
 
 
+def _attend(fn, q, *args):
+    out = torch.empty_like(q)
+    fn(q, *args, out)
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, block_size, dim", [(9, 3, 16, 64), (4, 4, 4, 32), (8, 2, 8, 16)])
 def test_decode_kernel_matches_torch(monkeypatch, dtype, heads, kv_heads, block_size, dim):
@@ -35,9 +44,9 @@ def test_decode_kernel_matches_torch(monkeypatch, dtype, heads, kv_heads, block_
     tables = torch.stack([torch.randperm(50, generator=torch.Generator().manual_seed(i))[:width] for i in range(5)])
     q = torch.randn(5, heads, dim).to(dtype)
     meta = AttentionMetadata(None, None, num_decodes=5, decode_block_tables=tables, decode_context_lens=lengths)
-    ours = attention._decode_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    ours = _attend(attention._decode_attention, q, k_cache, v_cache, meta, dim ** -0.5)
     _torch_only(monkeypatch)
-    reference = attention._decode_attention(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    reference = _attend(attention._decode_attention, q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
     assert (ours.float() - reference).abs().max().item() < TOLERANCE[dtype]
 
 
@@ -49,17 +58,69 @@ def test_prefill_kernel_matches_torch(monkeypatch, dtype, first_position, chunk)
     context = first_position + chunk
     table = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:(context + block_size - 1) // block_size]
     positions = torch.arange(first_position, context)
-    k = torch.randn(chunk, kv_heads, dim).to(dtype)
-    v = torch.randn(chunk, kv_heads, dim).to(dtype)
-    k_cache[table[positions // block_size], :, :, positions % block_size] = k  # as write_kv does
-    v_cache[table[positions // block_size], :, positions % block_size] = v
+    meta = AttentionMetadata(table[positions // block_size], positions % block_size)
+    write_kv(k_cache, v_cache, torch.randn(chunk, kv_heads, dim).to(dtype), torch.randn(chunk, kv_heads, dim).to(dtype),
+             meta)
     q = torch.randn(chunk, heads, dim).to(dtype)
     span = PrefillSpan(0, chunk, context, table)
-    ours = attention._prefill_attention(q, k, v, k_cache, v_cache, span, 0.125)
+    ours = _attend(attention._prefill_attention, q, k_cache, v_cache, span, 0.125)
     _torch_only(monkeypatch)
-    reference = attention._prefill_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(),
-                                             span, 0.125)
+    reference = _attend(attention._prefill_attention, q.float(), k_cache.float(), v_cache.float(), span, 0.125)
     assert (ours.float() - reference).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_kv_matches_torch(dtype, qk_norm):
+    """Rotated q out, rotated k and plain v in their cache slots, tokens spread over blocks."""
+    heads, kv_heads, block_size, dim, tokens = 6, 2, 16, 64, 21
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.rand(100, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    positions = torch.randperm(100, generator=g)[:tokens]
+    meta = AttentionMetadata(torch.randperm(30, generator=g)[:tokens], torch.randint(0, block_size, (tokens,), generator=g))
+    norms = (torch.rand(dim, generator=g).to(dtype) + 0.5, torch.rand(dim, generator=g).to(dtype) + 0.5) if qk_norm \
+        else (None, None)
+    caches = [_cache(30, kv_heads, block_size, dim, dtype) for _ in range(2)]
+    q = cpu_kernels.rope_write_kv(qkv, positions, cos, sin, *caches[0], meta.slot_blocks, meta.slot_offsets, heads,
+                                  *norms, 1e-6)
+
+    rope = Rope(cos, sin, positions)
+    x = qkv.float().view(tokens, heads + 2 * kv_heads, dim)
+    qk = x[:, :heads + kv_heads]
+    if qk_norm:
+        qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), norms[0].float(), 1e-6),
+                        F.rms_norm(qk[:, heads:], (dim,), norms[1].float(), 1e-6)], dim=1)
+    rotated = rope.apply(qk)
+    k_ref, v_ref = (c.float() for c in caches[1])
+    write_kv(k_ref, v_ref, rotated[:, heads:], x[:, heads + kv_heads:], meta)
+    tolerance = TOLERANCE[dtype] * 4
+    assert (q.float() - rotated[:, :heads]).abs().max().item() < tolerance
+    assert (caches[0][0].float() - k_ref).abs().max().item() < tolerance
+    assert (caches[0][1].float() - v_ref).abs().max().item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 96 splits the rows across threads
+def test_fused_norms_and_activation_match_torch(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 160, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(160, generator=g) + 0.5).to(dtype)
+    tolerance = TOLERANCE[dtype] * 8
+
+    normed = cpu_kernels.rms_norm(x, weight, 1e-5)
+    assert (normed.float() - F.rms_norm(x.float(), (160,), weight.float(), 1e-5)).abs().max().item() < tolerance
+
+    expected_residual = residual.float() + x.float()
+    expected = F.rms_norm(expected_residual.to(dtype).float(), (160,), weight.float(), 1e-5)
+    cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)  # in place: residual += x, x = norm(residual)
+    assert (residual.float() - expected_residual).abs().max().item() <= (0 if dtype == torch.float32 else 2e-2)
+    assert (x.float() - expected).abs().max().item() < tolerance
+
+    gate_up = torch.randn(rows, 2 * 96, generator=g).to(dtype) * 4
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert (cpu_kernels.silu_mul(gate_up).float() - F.silu(gate) * up).abs().max().item() < tolerance * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from brisk import LLM, SamplingParams
+from brisk.kernels import cpu as cpu_kernels
 from tests.conftest import TINY_VOCAB, assert_no_leaks, hf_greedy, load_hf_reference
 from tests.helpers import brisk_logits, hf_logits
 
@@ -25,14 +26,23 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, TINY_VOCAB) for _ in range(length)]
 
 
-def test_logits_match_transformers(tiny_pair):
+@pytest.fixture(params=["kernels", "torch"])
+def backend(request, monkeypatch) -> str:
+    """The C kernels (the CPU default), or every op in its torch formulation (GPUs, no compiler)."""
+    if request.param == "torch":
+        for name in ("available", "linear_available", "layer_ops_available", "sampling_available"):
+            monkeypatch.setattr(cpu_kernels, name, lambda *tensors: False)
+    return request.param
+
+
+def test_logits_match_transformers(tiny_pair, backend):
     llm, hf = tiny_pair
     prompt = _prompt(37, seed=1)
     ours = brisk_logits(llm.engine, prompt)
     assert (ours - hf_logits(hf, prompt)).abs().max().item() < ATOL
 
 
-def test_logits_match_when_computed_in_chunks_and_decodes(tiny_pair):
+def test_logits_match_when_computed_in_chunks_and_decodes(tiny_pair, backend):
     """Chunk boundaries mid-block, single-token (decode) steps and a long chunk over cached context."""
     llm, hf = tiny_pair
     prompt = _prompt(37, seed=2)
