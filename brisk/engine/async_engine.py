@@ -34,9 +34,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
 
 # ----- commands to the loop thread ---------------------------------------------------------------
 @dataclass
@@ -213,10 +210,16 @@ class AsyncEngine(EngineClient):
                                       self._pending.num_tokens + sign * load.num_tokens)
 
     # ----- the loop thread -----------------------------------------------------------------------
-    def _deliver(self, output: RequestOutput | None) -> None:
-        stream = self._streams.get(output.request_id) if output is not None else None
-        if stream is not None:
-            stream.put(output)
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hands items to their streams with one call_soon_threadsafe per event loop, not one per
+        item: each wakes the loop and takes the GIL, and a step of 32 streams would pay it 32 times."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _run(self) -> None:
         try:
@@ -227,8 +230,7 @@ class AsyncEngine(EngineClient):
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                for output in self.engine.step():
-                    self._deliver(output)
+                self._deliver([(output.request_id, output) for output in self.engine.step()])
                 self.last_step_time = time.monotonic()
             self._drain_inbox()  # aborts posted during the last step
             for request_id in self.engine.request_ids:  # nothing stays behind in the engine
@@ -241,8 +243,7 @@ class AsyncEngine(EngineClient):
             dead = EngineDeadError("the engine loop stopped" if self.error is None else f"the engine failed: {self.error!r}")
             with self._inbox_lock:  # from here on _post refuses: nothing can be posted and never answered
                 self._inbox_closed = True
-            for stream in list(self._streams.values()):
-                stream.put(dead)
+            self._deliver([(request_id, dead) for request_id in list(self._streams)])
             self._fail_inbox(dead)
 
     def _commands(self) -> Iterator[_Add | _Abort | _AbortAll | _Call]:
@@ -267,8 +268,8 @@ class AsyncEngine(EngineClient):
                 case _Abort(request_id=request_id):
                     self.engine.abort_request(request_id)
                 case _AbortAll():
-                    for request_id in self.engine.request_ids:
-                        self._deliver(self.engine.abort_request(request_id))
+                    aborted = [self.engine.abort_request(request_id) for request_id in self.engine.request_ids]
+                    self._deliver([(output.request_id, output) for output in aborted if output is not None])
                 case _Call(fn=fn, loop=loop, future=future):
                     try:
                         loop.call_soon_threadsafe(_settle, future, fn(self.engine), None)
@@ -285,9 +286,12 @@ class AsyncEngine(EngineClient):
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
             logger.exception("request %s could not be added", command.request_id)
             self.engine.abort_request(command.request_id)  # whatever part of it was registered
-            stream = self._streams.get(command.request_id)
-            if stream is not None:
-                stream.put(exc)
+            self._deliver([(command.request_id, exc)])
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue_, item in batch:
+        queue_.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
