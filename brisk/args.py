@@ -41,6 +41,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return config_from_args(EngineConfig, args)
 
 
+def config_flags(config: EngineConfig | ServerConfig) -> list[str]:
+    """The flags that rebuild `config` (the inverse of config_from_args), to start a `brisk`
+    subprocess with this process's configuration."""
+    flags = []
+    for f in knobs(type(config)):
+        value, flag = getattr(config, f.name), f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            flags += [f"--{flag}", str(value)]
+    return flags
+
+
 def _base_type(hint) -> type:
     """`int | None` -> int."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:

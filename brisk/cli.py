@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
-from brisk.config import ConfigError, ServerConfig
+from brisk.config import ConfigError, EngineConfig, ServerConfig
+from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
 
@@ -72,13 +73,23 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from brisk.engine.async_engine import AsyncEngine
     from brisk.server.app import build_app
     from brisk.server.process import serve
 
     server_config = config_from_args(ServerConfig, args)
-    engine = AsyncEngine(engine_config_from_args(args))
+    engine = _start_engine(engine_config_from_args(args), server_config)
     serve(build_app(engine, server_config), engine, server_config)
+
+
+def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineClient:
+    """The engine on a thread of this process, or in a process of its own (--engine-process)."""
+    if server_config.engine_process:
+        from brisk.engine.core_process import ProcessEngine
+
+        return ProcessEngine(config, omp_wait_policy=server_config.engine_omp_wait_policy)
+    from brisk.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,6 +111,17 @@ class ServerConfig:
     shutdown_grace_seconds: float = _knob(
         30.0, "On SIGTERM, how long running requests may finish before they are ended with finish_reason abort.")
     log_level: str = _knob("info", "uvicorn log level: critical, error, warning, info, debug.")
+    # In-thread, the engine's step and the HTTP front end share one GIL; in a process each has its own.
+    engine_process: bool = _knob(
+        False, "Run the engine (scheduler + model) in its own process, talking to the HTTP process over a socket, "
+               "so the front end's Python work is off the engine's critical path.")
+    # OpenMP reads OMP_WAIT_POLICY once, when torch loads, so it can be chosen only for a process started
+    # afterwards: the engine process. On a machine with as many cores as engine threads, OpenMP threads
+    # spinning between parallel regions hold cores the HTTP process (and a local load generator) need.
+    engine_omp_wait_policy: str | None = _knob(
+        None, "OMP_WAIT_POLICY of the engine process: passive (idle OpenMP threads sleep, leaving the core to "
+              "the HTTP process) or active (they spin, waking faster); default: the environment's. "
+              "Needs --engine-process.")
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_seqs", "max_waiting_tokens"):
@@ -120,6 +131,10 @@ class ServerConfig:
             raise ConfigError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
         if not self.shutdown_grace_seconds >= 0:
             raise ConfigError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")
+        if self.engine_omp_wait_policy not in (None, "active", "passive"):
+            raise ConfigError(f"engine_omp_wait_policy must be active or passive, got {self.engine_omp_wait_policy!r}")
+        if self.engine_omp_wait_policy is not None and not self.engine_process:
+            raise ConfigError("engine_omp_wait_policy applies to the engine process only: add engine_process")
 
     @property
     def max_request_body_bytes(self) -> int:

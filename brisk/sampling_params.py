@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+SEED_RANGE = (-(2**63), 2**64 - 1)  # as vLLM and torch accept them; sampling uses the low 64 bits
 
 
 class SamplingError(ValueError):

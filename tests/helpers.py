@@ -48,3 +48,13 @@ def metric_values(text: str) -> dict[str, float]:
             key = name + ("{" + ",".join(kept) + "}" if kept else "")
         values[key] = float(value)
     return values
+
+
+def break_the_runner(engine) -> None:
+    """Makes every later model step raise. A module-level function, so `call()` can send it to an
+    engine in another process."""
+
+    def execute(_):
+        raise RuntimeError("broken on purpose")
+
+    engine.runner.execute = execute

@@ -65,6 +65,20 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(st)
     st.set_defaults(func=_step, dtype="float32", kv_cache_memory_gib=2.0)
 
+    sv = kinds.add_parser("serve", help="brisk serve (in-thread and engine-process) vs offline, same prompts")
+    sv.add_argument("--num-prompts", type=int, default=32, help="short chat prompts, all streamed at once")
+    sv.add_argument("--output-len", type=int, default=64)
+    sv.add_argument("--temperature", type=float, default=0.7)
+    sv.add_argument("--top-p", type=float, default=0.95)
+    sv.add_argument("--sampling-seed", type=int, default=1, help="seed of every request's sampling")
+    sv.add_argument("--engines", nargs="+", choices=["thread", "process"], default=["thread", "process"],
+                    help="engine kinds to serve with, each a `brisk serve` of its own")
+    sv.add_argument("--engine-omp-wait-policy", choices=["active", "passive"], default=None,
+                    help="OMP_WAIT_POLICY of the engine process (the process run only); default: inherited")
+    sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to come up")
+    add_engine_arguments(sv)
+    sv.set_defaults(func=_serve)
+
 
 def _step(args: argparse.Namespace) -> None:
     from brisk.bench.step import main
@@ -92,5 +106,11 @@ def _throughput(args: argparse.Namespace) -> None:
 
 def _prefix(args: argparse.Namespace) -> None:
     from brisk.bench.prefix import main
+
+    main(args)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from brisk.bench.serve import main
 
     main(args)

@@ -73,6 +73,12 @@ class QueueLoad:
     num_seqs: int  # sequences (a request with n completions counts n)
     num_tokens: int  # their prompt tokens, each sequence counted
 
+    def __add__(self, other: "QueueLoad") -> "QueueLoad":
+        return QueueLoad(self.num_seqs + other.num_seqs, self.num_tokens + other.num_tokens)
+
+    def __sub__(self, other: "QueueLoad") -> "QueueLoad":
+        return QueueLoad(self.num_seqs - other.num_seqs, self.num_tokens - other.num_tokens)
+
 
 class EngineClient(abc.ABC):
     model_info: ModelInfo

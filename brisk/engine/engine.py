@@ -16,12 +16,12 @@ import torch
 from brisk.config import ConfigError, EngineConfig
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.output import OutputProcessor, RequestOutput
-from brisk.engine.request import Request, RequestStatus
+from brisk.engine.request import Request, RequestStatus, validate_request
 from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
 from brisk.model.loader import load_model, open_checkpoint
-from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -98,15 +98,7 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises SamplingError naming what is wrong; returns the params to run the request with."""
-        if not token_ids:
-            raise SamplingError("prompt", "is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise SamplingError("prompt", f"has {len(token_ids)} tokens; the model's context is "
-                                          f"{self.max_model_len}, leaving no room to generate")
-        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise SamplingError("prompt_token_ids", f"{bad[:5]} are outside the vocabulary of {self.spec.vocab_size}")
-        return params.validate_for_model(self.spec.vocab_size)
+        return validate_request(token_ids, params, self.spec.vocab_size, self.max_model_len)
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -12,7 +12,24 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from brisk.sampling_params import SamplingParams
+from brisk.sampling_params import SamplingError, SamplingParams
+
+
+def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int,
+                     max_model_len: int) -> SamplingParams:
+    """Raises SamplingError naming what is wrong; returns the params to run the request with.
+
+    Needs only the model's two limits, so a client in another process than the engine checks a
+    request exactly as the engine does, and a bad one fails before anything is queued."""
+    if not token_ids:
+        raise SamplingError("prompt", "is empty")
+    if len(token_ids) >= max_model_len:
+        raise SamplingError("prompt", f"has {len(token_ids)} tokens; the model's context is "
+                                      f"{max_model_len}, leaving no room to generate")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise SamplingError("prompt_token_ids", f"{bad[:5]} are outside the vocabulary of {vocab_size}")
+    return params.validate_for_model(vocab_size)
 
 
 class RequestStatus(enum.Enum):

@@ -17,6 +17,8 @@ import uvicorn
 
 from brisk.config import EngineConfig, ServerConfig
 from brisk.engine.async_engine import AsyncEngine
+from brisk.engine.client import EngineClient
+from brisk.engine.core_process import ProcessEngine
 from brisk.server.app import build_app
 from tests.conftest import build_tiny_checkpoint
 
@@ -28,7 +30,7 @@ def free_port() -> str:
 
 
 @contextmanager
-def running_server(engine: AsyncEngine, **server_options):
+def running_server(engine: EngineClient, **server_options):
     """Serves `engine` on a free port until the block ends (ServerConfig fields as keywords);
     yields the base URL."""
     app = build_app(engine, ServerConfig(**server_options), owns_engine=False)
@@ -46,6 +48,13 @@ def running_server(engine: AsyncEngine, **server_options):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture(params=["thread", "process"])
+def engine_kind(request) -> type[EngineClient]:
+    """Each EngineClient a server can run on: a test taking this runs once with each, and
+    builds its engine with `engine_kind(EngineConfig(...))`."""
+    return {"thread": AsyncEngine, "process": ProcessEngine}[request.param]
 
 
 @pytest.fixture(scope="module")

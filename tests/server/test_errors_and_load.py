@@ -4,13 +4,17 @@ shape, keeps serving, and gives every KV block back."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
 
 import httpx
 import pytest
 
-from brisk.engine.async_engine import AsyncEngine, EngineDeadError
 from brisk.config import EngineConfig
+from brisk.engine.client import EngineClient, EngineDeadError
+from brisk.engine.core_process import ProcessEngine
 from brisk.sampling_params import SamplingParams
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import metric_values
@@ -87,9 +91,9 @@ def test_api_key(real_async_engine):
             assert client.get("/metrics").status_code == 200
 
 
-def test_a_full_waiting_queue_answers_429_with_retry_after(tmp_path):
+def test_a_full_waiting_queue_answers_429_with_retry_after(tmp_path, engine_kind):
     folder = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
-    engine = AsyncEngine(EngineConfig(model=folder, dtype="float32", max_num_seqs=1, num_kv_blocks=64,
+    engine = engine_kind(EngineConfig(model=folder, dtype="float32", max_num_seqs=1, num_kv_blocks=64,
                                       max_model_len=256))
     try:
         with running_server(engine, max_waiting_seqs=2) as url:
@@ -103,9 +107,10 @@ def test_a_full_waiting_queue_answers_429_with_retry_after(tmp_path):
         assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
         rejected = next(r for r in responses if r.status_code == 429)
         assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["type"] == "rate_limit_exceeded"
+        snapshot = asyncio.run(engine.stats())
     finally:
         engine.shutdown()
-    assert engine.engine.kv.num_free_blocks == engine.engine.kv.num_blocks
+    assert snapshot.num_free_kv_blocks == snapshot.num_kv_blocks
 
 
 def test_forty_streams_half_disconnecting_leave_nothing_behind(base_url, real_async_engine):
@@ -149,9 +154,9 @@ def test_forty_streams_half_disconnecting_leave_nothing_behind(base_url, real_as
     assert delta("brisk:generation_tokens_total") >= 20 * 48 + 20
 
 
-def test_health_and_requests_answer_503_once_the_engine_loop_stopped(tmp_path):
+def test_health_and_requests_answer_503_once_the_engine_loop_stopped(tmp_path, engine_kind):
     folder = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
-    engine = AsyncEngine(EngineConfig(model=folder, dtype="float32", num_kv_blocks=16, max_model_len=64))
+    engine = engine_kind(EngineConfig(model=folder, dtype="float32", num_kv_blocks=16, max_model_len=64))
     with running_server(engine) as url:
         assert httpx.get(f"{url}/health").status_code == 200
         engine.shutdown()
@@ -163,12 +168,33 @@ def test_health_and_requests_answer_503_once_the_engine_loop_stopped(tmp_path):
         assert _error(httpx.delete(f"{url}/v1/cache", timeout=10), 503)["type"] == "server_error"
     # The client side of a stopped engine: commands are refused at once, aborts are a no-op.
     with pytest.raises(EngineDeadError):
-        asyncio.run(engine.call(lambda e: e.snapshot()))
+        asyncio.run(engine.stats())
     with pytest.raises(EngineDeadError):
         asyncio.run(_first_output(engine))
     engine.abort("anything")
 
 
-async def _first_output(engine: AsyncEngine):
+def test_a_killed_engine_process_ends_streams_with_an_error_event_then_answers_503(tmp_path):
+    folder = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
+    engine = ProcessEngine(EngineConfig(model=folder, dtype="float32", num_kv_blocks=64, max_model_len=256))
+    events = []
+    try:
+        with running_server(engine) as url:
+            body = {"prompt": "w3 w4", "max_tokens": 250, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        if len(events) == 1:
+                            os.kill(engine.pid, signal.SIGKILL)
+            assert _error(httpx.get(f"{url}/health"), 503)["type"] == "server_error"
+            error = _error(httpx.post(f"{url}/v1/completions", json={"prompt": "w3", "max_tokens": 2}), 503)
+    finally:
+        engine.shutdown()
+    assert "SIGKILL" in error["message"]
+    assert events[-1] == "[DONE]" and "SIGKILL" in json.loads(events[-2])["error"]["message"]
+
+
+async def _first_output(engine: EngineClient):
     async for output in engine.generate([3, 4], SamplingParams(max_tokens=2), "after-shutdown"):
         return output

@@ -1,4 +1,5 @@
-"""`brisk serve` as a process: SIGTERM ends every response cleanly and exits 0.
+"""`brisk serve` as a process (its engine on a thread or in a process of its own): SIGTERM ends
+every response cleanly and exits 0.
 
 Within the grace period a running stream finishes as usual; past it the engine ends it with a
 final `finish_reason: "abort"` chunk and `[DONE]`, never a cut connection, and no traceback."""
@@ -14,18 +15,19 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 from tests.conftest import build_tiny_checkpoint
 from tests.server.conftest import free_port
 
 
-def _start(folder: str, grace: float) -> tuple[subprocess.Popen, str]:
+def _start(folder: str, grace: float, engine_flag: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "brisk.cli", "serve", "--model", folder, "--port", str(port), "--dtype", "float32",
          "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-grace-seconds", str(grace),
-         "--log-level", "info"],
+         "--log-level", "info", engine_flag],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -53,9 +55,12 @@ def tiny_folder(tmp_path_factory):
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), "llama")
 
 
+@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process"])
 @pytest.mark.parametrize("grace, finish_reason", [(0, "abort"), (60, "length")])
-def test_sigterm_ends_streams_with_a_final_chunk_and_exits_zero(tiny_folder, grace, finish_reason):
-    process, base = _start(tiny_folder, grace)
+def test_sigterm_ends_streams_with_a_final_chunk_and_exits_zero(tiny_folder, grace, finish_reason, engine_flag):
+    process, base = _start(tiny_folder, grace, engine_flag)
+    children = [c for c in psutil.Process(process.pid).children() if "core_process" in " ".join(c.cmdline())]
+    assert len(children) == (engine_flag == "--engine-process")
     try:
         events, started = [], threading.Event()
         reader = threading.Thread(target=_stream, args=(base, events, started))
@@ -72,6 +77,7 @@ def test_sigterm_ends_streams_with_a_final_chunk_and_exits_zero(tiny_folder, gra
         assert "Traceback" not in log and "ERROR" not in log, log
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{base}/health", timeout=2)
+        assert not [child for child in children if child.is_running()]  # the engine process stopped with it
     finally:
         if process.poll() is None:
             process.kill()

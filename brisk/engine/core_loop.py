@@ -1,0 +1,226 @@
+"""EngineLoop: the step loop every engine client runs, whatever carries its commands and outputs.
+
+One loop turn: take in every posted command, run one step if there is work, hand what the turn
+produced to the outbox in one piece. The loop runs on a thread of the server process
+(AsyncEngine) or in an engine-core process (ProcessEngine); only the inbox feeding it and the
+outbox it writes to differ:
+
+    client --commands--> Inbox --> EngineLoop (drain, step) --> Outbox --StepOutputs--> client
+
+Every type here crosses that boundary, so each is a plain dataclass that pickles (a Call's
+function too, when it crosses a socket: a module-level function, not a lambda).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+from brisk.engine.client import EngineDeadError, QueueLoad
+from brisk.engine.engine import LLMEngine
+from brisk.engine.output import RequestOutput
+from brisk.engine.stats import EngineSnapshot, IterationStats
+from brisk.sampling_params import SamplingParams
+
+logger = logging.getLogger("brisk.engine")
+
+# How often an idle loop turns anyway: each turn tells the client the loop is alive.
+IDLE_TURN_SECONDS = 1.0
+
+
+# ----- commands: client -> loop -------------------------------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # validated by the client already
+    cache_salt: str | None
+    load: QueueLoad  # what this request adds to the queue until the loop takes it in
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class AbortAll:
+    pass
+
+
+@dataclass
+class Call:
+    """Runs fn(engine) between steps; the reply carries call_id back."""
+
+    call_id: int
+    fn: Callable[[LLMEngine], object]
+
+
+Command = AddRequest | AbortRequest | AbortAll | Call
+
+
+# ----- results: loop -> client --------------------------------------------------------------------
+@dataclass
+class StatRecord:
+    """One StatLogger.record() the engine made, replayed to the client's loggers."""
+
+    snapshot: EngineSnapshot
+    iteration: IterationStats
+
+
+@dataclass
+class StepOutputs:
+    """What one loop turn produced, handed to the client as one piece."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    errors: dict[str, BaseException] = field(default_factory=dict)  # requests the engine refused to add
+    drained: QueueLoad = QueueLoad(0, 0)  # all adds taken in since the loop started (cumulative)
+    waiting: QueueLoad = QueueLoad(0, 0)  # in the scheduler's waiting queue after this turn
+    stats: list[StatRecord] = field(default_factory=list)
+
+
+@dataclass
+class CallReply:
+    call_id: int
+    value: object = None
+    error: BaseException | None = None
+
+
+class Outbox(Protocol):
+    """Where the loop's results go; called on the loop's thread only."""
+
+    def deliver(self, step: StepOutputs) -> None:
+        """Once per loop turn, also an idle one (the client learns the loop is alive)."""
+
+    def answer(self, reply: CallReply) -> None: ...
+
+    def close(self, dead: EngineDeadError) -> None:
+        """The loop has ended; nothing follows. Every open request and call must fail with `dead`."""
+
+
+class Inbox:
+    """Commands in the order they were posted, from any thread. SimpleQueue.put is reentrant,
+    so posting is safe even from a __del__ that runs while the same thread is posting."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+
+    def post(self, command: Command) -> None:
+        self._queue.put(command)
+        self._wakeup.set()
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def wait(self, timeout: float) -> None:
+        """Until something is posted (or wake() is called), at most `timeout` seconds."""
+        self._wakeup.wait(timeout)
+        self._wakeup.clear()
+
+    def commands(self) -> Iterator[Command]:
+        """Everything posted so far, in order, without waiting."""
+        while True:
+            try:
+                yield self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+
+class _StatBuffer:
+    """The engine's one StatLogger: it keeps each record for the turn's StepOutputs, so the
+    client's loggers run where the client is (another thread, or another process)."""
+
+    def __init__(self) -> None:
+        self.records: list[StatRecord] = []
+
+    def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
+        self.records.append(StatRecord(snapshot, iteration))
+
+    def take(self) -> list[StatRecord]:
+        records, self.records = self.records, []
+        return records
+
+
+class EngineLoop:
+    """Owns the engine: after construction only `run()`'s thread may touch it."""
+
+    def __init__(self, engine: LLMEngine, inbox: Inbox, outbox: Outbox):
+        self.engine, self.inbox, self.outbox = engine, inbox, outbox
+        self._stats = _StatBuffer()
+        self._drained = QueueLoad(0, 0)
+        self._stopping = False
+
+    def stop(self) -> None:
+        """Ends the loop after the current step; requests still running end with EngineDeadError."""
+        self._stopping = True
+        self.inbox.wake()
+
+    def run(self) -> None:
+        error: BaseException | None = None
+        self.engine.stat_loggers = [*self.engine.stat_loggers, self._stats]
+        try:
+            while not self._stopping:
+                step = self._drain()
+                idle = not self.engine.has_unfinished_requests()
+                if not idle:
+                    step.outputs += self.engine.step()
+                self.outbox.deliver(self._finish(step))
+                if idle:
+                    self.inbox.wait(IDLE_TURN_SECONDS)
+            step = self._drain()  # aborts posted during the last step
+            for request_id in self.engine.request_ids:  # nothing stays behind in the engine
+                self.engine.abort_request(request_id)
+            self.outbox.deliver(self._finish(step))
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller, then re-raised
+            logger.exception("the engine loop failed")
+            error = exc
+            raise
+        finally:
+            self.engine.stat_loggers = [s for s in self.engine.stat_loggers if s is not self._stats]
+            self.outbox.close(EngineDeadError(
+                "the engine loop stopped" if error is None else f"the engine failed: {error!r}"))
+
+    def _finish(self, step: StepOutputs) -> StepOutputs:
+        scheduler = self.engine.scheduler
+        step.drained = self._drained
+        step.waiting = QueueLoad(len(scheduler.waiting), scheduler.num_waiting_tokens)
+        step.stats = self._stats.take()
+        return step
+
+    def _drain(self) -> StepOutputs:
+        step = StepOutputs()
+        for command in self.inbox.commands():
+            match command:
+                case AddRequest():
+                    self._add(command, step)
+                case AbortRequest(request_id=request_id):
+                    self._abort([request_id], step)
+                case AbortAll():
+                    self._abort(self.engine.request_ids, step)
+                case Call(call_id=call_id, fn=fn):
+                    try:
+                        reply = CallReply(call_id, value=fn(self.engine))
+                    except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                        reply = CallReply(call_id, error=exc)
+                    self.outbox.answer(reply)
+        return step
+
+    def _abort(self, request_ids: list[str], step: StepOutputs) -> None:
+        """Each request's last output (finish_reason "abort") goes to its stream, if one still reads it."""
+        outputs = [self.engine.abort_request(request_id) for request_id in request_ids]
+        step.outputs += [output for output in outputs if output is not None]
+
+    def _add(self, command: AddRequest, step: StepOutputs) -> None:
+        self._drained += command.load
+        try:
+            self.engine.add_request({"prompt": command.prompt, "prompt_token_ids": command.prompt_token_ids},
+                                    command.params, request_id=command.request_id, cache_salt=command.cache_salt)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
+            logger.exception("request %s could not be added", command.request_id)
+            self.engine.abort_request(command.request_id)  # whatever part of it was registered
+            step.errors[command.request_id] = exc
