@@ -51,7 +51,7 @@ def add_bench_parser(sub) -> None:
     sm = kinds.add_parser("sampling", help="sampling settings vs greedy on the same batch")
     sm.add_argument("--num-prompts", type=int, default=32)
     sm.add_argument("--output-len", type=int, default=64)
-    sm.add_argument("--rounds", type=int, default=3)
+    sm.add_argument("--rounds", type=int, default=5)
     add_engine_arguments(sm)
     sm.set_defaults(func=_sampling, dtype="float32", kv_cache_memory_gib=2.0)
 

@@ -3,18 +3,21 @@
 Workload: N short chat prompts answered together through `LLM.chat`, a fixed number of output
 tokens each (EOS ignored, so every setting does the same model work). The settings run in
 interleaved rounds, so a machine slowing down mid-run shifts them all alike; each setting's
-best round is reported, with its throughput relative to greedy's best.
+median round is reported, relative to greedy's median, with every round for the spread.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from brisk.args import engine_config_from_args
+from brisk.kernels import cpu as cpu_kernels
 from brisk.llm import LLM
+from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 from brisk.sampling_params import SamplingParams
 
 QUESTIONS = [
@@ -58,21 +61,66 @@ def tokens_per_second(llm: LLM, conversations: list[list[dict]], params: Samplin
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
+def captured_logits(llm: LLM, conversations: list[list[dict]]) -> torch.Tensor:
+    """The logits rows of one decode step of the whole batch, as the sampler receives them."""
+    model, rows = llm.engine.model, []
+    original = model.compute_logits
+
+    def keep(hidden):
+        logits = original(hidden)
+        rows.append(logits.clone())
+        return logits
+
+    model.compute_logits = keep
+    try:
+        llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    finally:
+        model.compute_logits = original
+    return next(r for r in reversed(rows) if r.shape[0] == len(conversations))
+
+
+def sampler_milliseconds(logits: torch.Tensor, params: SamplingParams, use_kernel: bool, repeats: int = 30) -> float:
+    """One sample() call on the batch: the C kernel, or the torch formulation (sorting the vocabulary)."""
+    rows = [SamplingRow(params, [1, 2], 1, seed=i) for i in range(logits.shape[0])]
+    batch = SamplingBatch.from_rows(rows, logits.shape[1], logits.device)
+    available = cpu_kernels.sampling_available
+    cpu_kernels.sampling_available = (lambda _: True) if use_kernel else (lambda _: False)
+    try:
+        sample(logits.clone(), batch)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            sample(logits.clone(), batch)
+        return (time.perf_counter() - start) / repeats * 1e3
+    finally:
+        cpu_kernels.sampling_available = available
+
+
 def main(args) -> None:
     llm = LLM.from_config(engine_config_from_args(args))
     conversations = chat_prompts(args.num_prompts)
     runs = settings(args.output_len)
     print(f"model: {llm.engine.checkpoint.path} ({args.dtype}), threads: {torch.get_num_threads()}")
     print(f"workload: {len(conversations)} chat prompts answered together, {args.output_len} tokens each, "
-          f"best of {args.rounds} interleaved rounds")
+          f"median of {args.rounds} interleaved rounds")
     for setting in runs:  # warm-up: kernels built, first-call allocations made
         llm.chat(conversations[:2], replace(setting.params, max_tokens=2), use_tqdm=False)
-    best = {s.name: 0.0 for s in runs}
+    rounds = {s.name: [] for s in runs}
     for _ in range(args.rounds):
         for setting in runs:
-            best[setting.name] = max(best[setting.name], tokens_per_second(llm, conversations, setting.params))
-    greedy = best[runs[0].name]
-    print("\n| sampling | output tok/s | vs greedy |")
+            rounds[setting.name].append(tokens_per_second(llm, conversations, setting.params))
+    median = {name: statistics.median(values) for name, values in rounds.items()}
+    greedy = median[runs[0].name]
+    print("\n| sampling | output tok/s (median) | vs greedy | every round |")
+    print("|---|---:|---:|---|")
+    for setting in runs:
+        every = ", ".join(f"{v:.0f}" for v in rounds[setting.name])
+        print(f"| {setting.name} | {median[setting.name]:.1f} | {median[setting.name] / greedy:.3f} | {every} |")
+
+    logits = captured_logits(llm, conversations)
+    print(f"\nthe sampler alone, one call on a decode step's logits [{logits.shape[0]} x {logits.shape[1]}]:")
+    print("| sampling | C kernel, ms | torch formulation, ms |")
     print("|---|---:|---:|")
     for setting in runs:
-        print(f"| {setting.name} | {best[setting.name]:.1f} | {best[setting.name] / greedy:.3f} |")
+        kernel = sampler_milliseconds(logits, setting.params, use_kernel=True)
+        reference = sampler_milliseconds(logits, setting.params, use_kernel=False)
+        print(f"| {setting.name} | {kernel:.2f} | {reference:.2f} |")

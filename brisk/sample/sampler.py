@@ -133,11 +133,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """[B, V] float32 logits (modified in place) -> one token per row."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
     logits = batch.adjust(logits)
-    if batch.all_greedy:
+    if cpu_kernels.sampling_available(logits):  # its argmax is also faster than torch's
+        draws = batch.uniforms if batch.uniforms is not None else batch.temperature.double()  # all 0: unused
+        tokens = cpu_kernels.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, draws)
+    elif batch.all_greedy:
         tokens = logits.argmax(dim=-1)
-    elif cpu_kernels.sampling_available(logits):
-        tokens = cpu_kernels.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
-                                         batch.uniforms)
     else:
         tokens = _sample_torch(logits, batch)
     if raw_logprobs is None:
