@@ -15,27 +15,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from brisk.args import engine_config_from_args
+from brisk.bench.workloads import chat_prompts
 from brisk.kernels import cpu as cpu_kernels
 from brisk.llm import LLM
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 from brisk.sampling_params import SamplingParams
-
-QUESTIONS = [
-    "Write a short story about a dragon who learns to paint.",
-    "What is the capital of France, and what is it famous for?",
-    "Explain photosynthesis to a ten-year-old.",
-    "Give me a recipe for fluffy pancakes.",
-    "How do airplanes stay in the air?",
-    "Write a poem about the sea at night.",
-    "What are three tips for learning a new language?",
-    "Describe the water cycle in a few sentences.",
-]
-
-
-def chat_prompts(count: int) -> list[list[dict]]:
-    """`count` single-turn conversations, cycling through QUESTIONS with a number to keep them distinct."""
-    return [[{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i + 1})"}] for i in range(count)]
-
 
 @dataclass
 class Setting:

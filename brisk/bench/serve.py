@@ -26,14 +26,12 @@ import httpx
 import torch
 
 from brisk.args import config_flags, engine_config_from_args
+from brisk.bench.workloads import chat_prompts
 from brisk.config import EngineConfig, ServerConfig
 from brisk.llm import LLM
 from brisk.model.tokenizer import Message
 from brisk.sampling_params import SamplingParams
 
-TOPICS = ["rivers", "the moon", "bread", "volcanoes", "chess", "bees", "glass", "trains"]
-TEMPLATES = ["Explain {} in one paragraph.", "Write a short poem about {}.", "Give three facts about {}.",
-             "Tell me the history of {}."]
 ENGINE_KINDS = {"thread": "in-thread engine", "process": "engine-core process"}
 
 
@@ -49,16 +47,6 @@ class RunResult:
     @property
     def tokens_per_second(self) -> float:
         return self.output_tokens / self.seconds
-
-
-def chat_prompts(num_prompts: int) -> list[list[Message]]:
-    """Distinct one-line questions (no two share more than the chat template's prefix)."""
-    prompts = []
-    for i in range(num_prompts):
-        text = TEMPLATES[i % len(TEMPLATES)].format(TOPICS[i // len(TEMPLATES) % len(TOPICS)])
-        round_ = i // (len(TEMPLATES) * len(TOPICS))
-        prompts.append([{"role": "user", "content": text + (f" (take {round_ + 1})" if round_ else "")}])
-    return prompts
 
 
 def percentile(values: list[float], q: float) -> float:
