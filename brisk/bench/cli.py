@@ -7,6 +7,7 @@ changes are set in one `set_defaults` call next to its parser, where they can be
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from brisk.args import add_engine_arguments
 
@@ -26,7 +27,7 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--hf-batch-size", type=int, default=16)
     add_engine_arguments(tp)
     # fp32 (the transformers baseline's dtype); offline runs favour larger steps than the engine default of 256.
-    tp.set_defaults(func=_throughput, dtype="float32", max_num_batched_tokens=1024, kv_cache_memory_gib=2.0)
+    tp.set_defaults(func=_main_of("brisk.bench.throughput"), dtype="float32", max_num_batched_tokens=1024, kv_cache_memory_gib=2.0)
 
     px = kinds.add_parser("prefix", help="prefix caching on vs off: shared system prompt, multi-turn chat")
     px.add_argument("--num-requests", type=int, default=32)
@@ -36,7 +37,7 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--turns", type=int, default=6)
     px.add_argument("--output-len", type=int, default=32)
     add_engine_arguments(px)
-    px.set_defaults(func=_prefix, dtype="float32", kv_cache_memory_gib=2.0, max_num_batched_tokens=512)
+    px.set_defaults(func=_main_of("brisk.bench.prefix"), dtype="float32", kv_cache_memory_gib=2.0, max_num_batched_tokens=512)
 
     fp = kinds.add_parser("fairness", help="TTFT of short requests while a long prompt prefills")
     fp.add_argument("--long-prompt-lens", type=int, nargs="+", default=[0, 6000, 8000],
@@ -46,14 +47,14 @@ def add_bench_parser(sub) -> None:
     fp.add_argument("--calibrate", action="store_true", help="first fit attention_cost_context on this machine")
     fp.add_argument("--calibrate-chunk", type=int, default=512)
     add_engine_arguments(fp)
-    fp.set_defaults(func=_fairness, dtype="float32", kv_cache_memory_gib=2.0)
+    fp.set_defaults(func=_main_of("brisk.bench.fairness"), dtype="float32", kv_cache_memory_gib=2.0)
 
     sm = kinds.add_parser("sampling", help="sampling settings vs greedy on the same batch")
     sm.add_argument("--num-prompts", type=int, default=32)
     sm.add_argument("--output-len", type=int, default=64)
     sm.add_argument("--rounds", type=int, default=5)
     add_engine_arguments(sm)
-    sm.set_defaults(func=_sampling, dtype="float32", kv_cache_memory_gib=2.0)
+    sm.set_defaults(func=_main_of("brisk.bench.sampling"), dtype="float32", kv_cache_memory_gib=2.0)
 
     st = kinds.add_parser("step", help="where a decode step's time goes: matmuls, attention, the rest")
     st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
@@ -63,7 +64,7 @@ def add_bench_parser(sub) -> None:
     st.add_argument("--top-p", type=float, default=1.0)
     st.add_argument("--torch-ops", action="store_true", help="also print torch.profiler's table of torch ops")
     add_engine_arguments(st)
-    st.set_defaults(func=_step, dtype="float32", kv_cache_memory_gib=2.0)
+    st.set_defaults(func=_main_of("brisk.bench.step"), dtype="float32", kv_cache_memory_gib=2.0)
 
     sv = kinds.add_parser("serve", help="brisk serve (in-thread and engine-process) vs offline, same prompts")
     sv.add_argument("--num-prompts", type=int, default=32, help="short chat prompts, all streamed at once")
@@ -77,40 +78,11 @@ def add_bench_parser(sub) -> None:
                     help="OMP_WAIT_POLICY of the engine process (the process run only); default: inherited")
     sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to come up")
     add_engine_arguments(sv)
-    sv.set_defaults(func=_serve)
+    sv.set_defaults(func=_main_of("brisk.bench.serve"))
 
 
-def _step(args: argparse.Namespace) -> None:
-    from brisk.bench.step import main
-
-    main(args)
-
-
-def _sampling(args: argparse.Namespace) -> None:
-    from brisk.bench.sampling import main
-
-    main(args)
-
-
-def _fairness(args: argparse.Namespace) -> None:
-    from brisk.bench.fairness import main
-
-    main(args)
-
-
-def _throughput(args: argparse.Namespace) -> None:
-    from brisk.bench.throughput import main
-
-    main(args)
-
-
-def _prefix(args: argparse.Namespace) -> None:
-    from brisk.bench.prefix import main
-
-    main(args)
-
-
-def _serve(args: argparse.Namespace) -> None:
-    from brisk.bench.serve import main
-
-    main(args)
+def _main_of(module: str):
+    """The `main(args)` of a benchmark module, imported only when that benchmark runs."""
+    def run(args: argparse.Namespace) -> None:
+        importlib.import_module(module).main(args)
+    return run
