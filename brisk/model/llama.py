@@ -4,8 +4,9 @@ Differences from transformers' modules, all for speed: q/k/v and gate/up are fus
 matmul each, RoPE tables are shared by every layer, attention reads K/V through block tables
 (see attention.py), and on CPU the work between the matmuls runs in fused C kernels: residual
 add + RMSNorm in place, RoPE + the K/V cache write, SiLU-and-multiply (kernels/layer_ops.c,
-kernels/paged_attention.c; the torch code beside each call is their reference). Weights keep Hugging Face names on the way in, so any
-HF checkpoint or a GGUF file renamed to HF names loads through `load_weights`.
+kernels/paged_attention.c; the torch code beside each call is their reference). Weights keep
+Hugging Face names on the way in, so any HF checkpoint or a GGUF file renamed to HF names loads
+through `load_weights`.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ class Attention(nn.Module):
                           meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, q + 2 kv] -> rotated q [T, H, D]; this step's rotated K and V go into the cache."""
         if cpu_kernels.available(kv_cache[1]):
-            norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
+                                                                   self.q_norm.eps)
             return cpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, *kv_cache,
-                                             meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms,
-                                             self.q_norm.eps if self.q_norm is not None else 0.0)
+                                             meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
