@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -41,6 +42,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the var
     "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "silu_mul": [_PTR] * 2 + [_I64] * 2,
     "rope_write_kv": [_PTR] * 11 + [ctypes.c_float] + [_I64] * 3,
+    "decode_layers": [_PTR] * 4,
 }
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SMALL_BATCH_ROWS = 8  # up to this many rows linear_rows beats BLAS (measured crossover ~10-12)
@@ -59,8 +61,8 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
         return None
     source = _HERE / source_name
     flags = [*_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
-    inputs = (source.read_bytes() + (_HERE / "dtypes.h").read_bytes()
-              + " ".join([compiler, *flags, *_LINK_FLAGS]).encode())
+    headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))
+    inputs = source.read_bytes() + headers + " ".join([compiler, *flags, *_LINK_FLAGS]).encode()
     key = hashlib.sha256(inputs).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
@@ -201,3 +203,102 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
     _layer_op("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out
+
+
+class _Weight(ctypes.Structure):  # struct weight, decode_layers.c
+    _fields_ = [("data", _PTR), ("bias", _PTR), ("rows", _I64), ("cols", _I64), ("format", _I64)]
+
+
+class _Layer(ctypes.Structure):  # struct decode_layer
+    _fields_ = [("input_norm", _PTR), ("post_attention_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
+                ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+                ("k_cache", _PTR), ("v_cache", _PTR)]
+
+
+class _Model(ctypes.Structure):  # struct decode_model
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
+                ("intermediate", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _PTR),
+                ("cos_table", _PTR), ("sin_table", _PTR), ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Batch(ctypes.Structure):  # struct decode_batch
+    _fields_ = [("num_seqs", _I64), ("max_blocks", _I64), ("positions", _PTR), ("slot_blocks", _PTR),
+                ("slot_offsets", _PTR), ("block_tables", _PTR), ("context_lens", _PTR)]
+
+
+_WEIGHT_DENSE = 0  # enum weight_format
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One decoder layer's tensors, all in the model's dtype and contiguous."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H_q + 2 H_kv) * D, hidden]: q rows, then k, then v
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, H_q * D]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up
+    down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norms
+    k_norm: torch.Tensor | None = None
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Weight:
+    return _Weight(weight.data_ptr(), _ptr(bias), weight.shape[0], weight.shape[1], _WEIGHT_DENSE)
+
+
+def decode_layers_available(v_cache: torch.Tensor) -> bool:
+    """Whether the fused decode step (decode_layers.c) serves a model with this cache."""
+    return _on_cpu(v_cache) and _decode_library(v_cache) is not None
+
+
+def _decode_library(v_cache: torch.Tensor) -> ctypes.CDLL | None:
+    return _library("decode_layers.c", (("BLOCK_SIZE", v_cache.shape[2]), ("HEAD_DIM", v_cache.shape[3])))
+
+
+class DecodeLayers:
+    """A model's decoder layers run as one C call per decode step (see decode_layers.c).
+
+    The pointer tables are filled once, here, not per step; this object keeps a reference to
+    every tensor they point into, so they stay valid while it lives. The KV caches are bound on
+    the first call and again whenever the caches passed in are different tensors."""
+
+    def __init__(self, layers: list[DecodeLayerWeights], final_norm: torch.Tensor, cos: torch.Tensor,
+                 signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float):
+        head_dim = cos.shape[1]
+        self._tensors = (layers, final_norm, cos, signed_sin)
+        self._dtype = final_norm.dtype
+        self._layers = (_Layer * len(layers))(*(
+            _Layer(_ptr(w.input_norm), _ptr(w.post_attention_norm), _ptr(w.q_norm), _ptr(w.k_norm),
+                   _dense(w.qkv, w.qkv_bias), _dense(w.o), _dense(w.gate_up), _dense(w.down))
+            for w in layers))
+        self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads,
+                             layers[0].down.shape[1], eps, head_dim ** -0.5, final_norm.data_ptr(),
+                             cos.data_ptr(), signed_sin.data_ptr(), self._layers)
+        self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kernel = None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
+                 slot_offsets: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], timings: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """x [seqs, hidden] float32 embeddings of this step's tokens (one per sequence) -> the final
+        norm's output, in place. timings: an int64 [3] tensor to add (matmul, attention, other)
+        nanoseconds to, or None."""
+        if kv_caches is not self._kv_caches:
+            self._bind(kv_caches)
+        batch = _Batch(x.shape[0], block_tables.shape[1], positions.data_ptr(), slot_blocks.data_ptr(),
+                       slot_offsets.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr())
+        self._kernel(ctypes.byref(self._model), ctypes.byref(batch), x.data_ptr(), _ptr(timings))
+        return x
+
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (k_cache, v_cache) in zip(self._layers, kv_caches):
+            layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._kernel = getattr(_decode_library(kv_caches[0][1]), f"decode_layers_{_SUFFIXES[self._dtype]}")
+        self._kv_caches = kv_caches

@@ -138,15 +138,44 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec, max_len)
+        self._decode_layers: cpu_kernels.DecodeLayers | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """[T] token ids -> [T, hidden] final hidden states (logits are taken only where needed)."""
         x, residual = self.embed_tokens(input_ids), None
+        if self._fused_decode_serves(meta, kv_caches):
+            hidden = self._fused_decode()(x.float(), positions, meta.slot_blocks, meta.slot_offsets,
+                                          meta.decode_block_tables, meta.decode_context_lens, kv_caches)
+            return hidden.to(x.dtype)
         rope = self.rotary.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _fused_decode_serves(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Small pure-decode steps on CPU run every layer in one C call (kernels/decode_layers.c):
+        at batch 1, Python's ~160 us per layer of dispatch was more than the layer's own work
+        outside the matmuls. Larger batches, where BLAS beats the matvec, and steps with prefill
+        chunks run layer by layer."""
+        return (0 < meta.num_decodes <= cpu_kernels.SMALL_BATCH_ROWS and not meta.prefills
+                and cpu_kernels.decode_layers_available(kv_caches[0][1]))
+
+    def _fused_decode(self) -> cpu_kernels.DecodeLayers:
+        """The layers' weights as the fused kernel reads them; built on the first decode step,
+        once the weights are loaded and the RoPE tables built."""
+        if self._decode_layers is None:
+            layers = []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                layers.append(cpu_kernels.DecodeLayerWeights(
+                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_proj.weight,
+                    attn.qkv_proj.bias, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                    *((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else ())))
+            self._decode_layers = cpu_kernels.DecodeLayers(
+                layers, self.norm.weight, self.rotary.cos, self.rotary.signed_sin, self.spec.num_heads,
+                self.spec.num_kv_heads, self.spec.rms_norm_eps)
+        return self._decode_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32. Past a few rows computed as (W @ h^T)^T: for the tall

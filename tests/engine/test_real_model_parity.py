@@ -47,10 +47,11 @@ def test_logits_match_transformers(real_llm, real_hf_model, prompts):
 
 
 def test_decode_path_logits_match_exact_transformers(real_llm, real_model_path, prompts):
-    """Steps of a few tokens run through the C matrix-vector kernel, which sums in double. On this
-    model any two fp32 computations differ by about 1e-4 (transformers' own fp32 logits are 9e-5
-    from its float64 ones), so this path is held to the same 1e-4 against the exact reference:
-    transformers in float64 on the same weights."""
+    """Steps of a few tokens run through the C matrix-vector kernel (single tokens through the
+    fused decode step), which sums in float32 vector lanes. On this model any two fp32
+    computations differ by about 1e-4 (transformers' own fp32 logits are 9e-5 from its float64
+    ones), so this path is held to the same 1e-4 against the exact reference: transformers in
+    float64 on the same weights."""
     exact_model = load_hf_reference(real_model_path).double()
     prompt = prompts[2]
     exact = hf_logits(exact_model, prompt).double()

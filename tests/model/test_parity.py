@@ -26,12 +26,15 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, TINY_VOCAB) for _ in range(length)]
 
 
-@pytest.fixture(params=["kernels", "torch"])
+@pytest.fixture(params=["kernels", "layered", "torch"])
 def backend(request, monkeypatch) -> str:
-    """The C kernels (the CPU default), or every op in its torch formulation (GPUs, no compiler)."""
-    if request.param == "torch":
-        for name in ("available", "linear_available", "layer_ops_available", "sampling_available"):
-            monkeypatch.setattr(cpu_kernels, name, lambda *tensors: False)
+    """The C kernels (the CPU default: small decode steps in one fused call), the same kernels
+    called layer by layer, or every op in its torch formulation (GPUs, no compiler)."""
+    off = {"kernels": (), "layered": ("decode_layers_available",),
+           "torch": ("available", "linear_available", "layer_ops_available", "sampling_available",
+                     "decode_layers_available")}[request.param]
+    for name in off:
+        monkeypatch.setattr(cpu_kernels, name, lambda *tensors: False)
     return request.param
 
 

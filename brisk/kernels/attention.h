@@ -1,0 +1,153 @@
+/*
+ * Decode attention over paged KV blocks, for CPUs.
+ *
+ * One query token per sequence. Each (sequence, kv head) pair is one task: its query heads are
+ * scored against the keys block by block, straight from the cache (no gathered copy), then the
+ * softmax-weighted values are summed. K and V are read exactly once, which is the floor for
+ * decode attention; torch's formulation gathered them into a copy and ran thousands of tiny
+ * matmuls, and was ~5x slower at batch 64.
+ *
+ * Layouts (row-major):  q, out [seqs, heads, dim]
+ *                       k_cache [blocks, kv_heads, dim, block_size]   (keys transposed per block)
+ *                       v_cache [blocks, kv_heads, block_size, dim]
+ * With keys transposed, a query is scored against a whole block as 16 lanes of FMAs per
+ * dimension, with no horizontal sums; values are accumulated along dim. Both vectorize.
+ *                       block_tables [seqs, max_blocks], context_lens [seqs]
+ * Queries and outputs are XT, the cache CT (float32 or bfloat16 stored as uint16; computed in
+ * float32). Both bodies here are orphaned `omp for` loops (see matvec.h): paged_attention.c wraps
+ * each in its own parallel region, decode_layers.c runs them inside the step's one region.
+ * BLOCK_SIZE and HEAD_DIM are compile-time constants: the files that include this are built per
+ * model shape.
+ */
+#ifndef BRISK_ATTENTION_H
+#define BRISK_ATTENTION_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "dtypes.h"
+
+#define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C)                                  \
+    static inline void decode_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,        \
+                                                 const CT *restrict v_cache,                              \
+                                                 const int64_t *restrict block_tables,                    \
+                                                 const int64_t *restrict context_lens, XT *restrict out,  \
+                                                 int64_t num_seqs, int64_t num_heads,                     \
+                                                 int64_t num_kv_heads, int64_t max_blocks,                \
+                                                 float scale) {                                           \
+        const int64_t group = num_heads / num_kv_heads;                                                   \
+        const int64_t block_elems = BLOCK_SIZE * HEAD_DIM;                                                \
+        _Pragma("omp for collapse(2) schedule(dynamic)")                                                  \
+        for (int64_t s = 0; s < num_seqs; s++) {                                                          \
+            for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
+                const int64_t len = context_lens[s];                                                      \
+                const int64_t num_blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE;                           \
+                const int64_t padded = num_blocks * BLOCK_SIZE;                                           \
+                const int64_t *table = block_tables + s * max_blocks;                                     \
+                float *scores = malloc(sizeof(float) * group * padded);                                   \
+                float *query = malloc(sizeof(float) * group * HEAD_DIM);                                  \
+                for (int64_t g = 0; g < group; g++)                                                       \
+                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
+                        query[g * HEAD_DIM + d] = LOAD_X(q[(s * num_heads + h * group + g) * HEAD_DIM + d]) * scale; \
+                for (int64_t b = 0; b < num_blocks; b++) {                                                \
+                    const CT *keys = k_cache + (table[b] * num_kv_heads + h) * block_elems;               \
+                    for (int64_t g = 0; g < group; g++) {                                                 \
+                        float row[BLOCK_SIZE] = {0};                                                      \
+                        const float *qg = query + g * HEAD_DIM;                                           \
+                        for (int64_t d = 0; d < HEAD_DIM; d++) {                                          \
+                            _Pragma("omp simd")                                                           \
+                            for (int64_t t = 0; t < BLOCK_SIZE; t++) row[t] += qg[d] * LOAD_C(keys[d * BLOCK_SIZE + t]); \
+                        }                                                                                 \
+                        for (int64_t t = 0; t < BLOCK_SIZE; t++) scores[g * padded + b * BLOCK_SIZE + t] = row[t]; \
+                    }                                                                                     \
+                }                                                                                         \
+                for (int64_t g = 0; g < group; g++) {                                                     \
+                    float *p = scores + g * padded, top = -FLT_MAX, sum = 0.0f;                           \
+                    for (int64_t t = 0; t < len; t++) top = p[t] > top ? p[t] : top;                      \
+                    _Pragma("omp simd reduction(+:sum)")                                                  \
+                    for (int64_t t = 0; t < padded; t++) {                                                \
+                        p[t] = t < len ? expf(p[t] - top) : 0.0f;                                         \
+                        sum += p[t];                                                                      \
+                    }                                                                                     \
+                    const float inv = 1.0f / sum;                                                         \
+                    for (int64_t t = 0; t < padded; t++) p[t] *= inv;                                     \
+                }                                                                                         \
+                for (int64_t g = 0; g < group; g++) {                                                     \
+                    float acc[HEAD_DIM] = {0};                                                            \
+                    const float *p = scores + g * padded;                                                 \
+                    for (int64_t b = 0; b < num_blocks; b++) {                                            \
+                        const CT *values = v_cache + (table[b] * num_kv_heads + h) * block_elems;         \
+                        const int64_t n = len - b * BLOCK_SIZE < BLOCK_SIZE ? len - b * BLOCK_SIZE : BLOCK_SIZE; \
+                        for (int64_t t = 0; t < n; t++) {                                                 \
+                            const float pt = p[b * BLOCK_SIZE + t];                                       \
+                            _Pragma("omp simd")                                                           \
+                            for (int64_t d = 0; d < HEAD_DIM; d++) acc[d] += pt * LOAD_C(values[t * HEAD_DIM + d]); \
+                        }                                                                                 \
+                    }                                                                                     \
+                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
+                        out[(s * num_heads + h * group + g) * HEAD_DIM + d] = STORE_X(acc[d]);            \
+                }                                                                                         \
+                free(scores);                                                                             \
+                free(query);                                                                              \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+/*
+ * The step's new tokens into the cache, with their rotary embedding: what runs between the QKV
+ * projection and attention, in one pass (it was a dozen torch ops and two scatter writes).
+ *
+ * qkv [tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM] holds each token's q, k and v heads.
+ * q heads are rotated into q_out [tokens, num_heads, HEAD_DIM]; k heads are rotated into the
+ * cache at (slot_blocks[t], slot_offsets[t]) in its transposed layout; v heads are copied there.
+ * Rotation is rotate-half ("neox") style with per-position tables cos and signed_sin
+ * [max_len, HEAD_DIM] (float32; signed_sin carries rotate_half's sign, see model/llama.py):
+ *     out[d] = x[d] * cos[d] + x[(d + HEAD_DIM / 2) % HEAD_DIM] * signed_sin[d]
+ * q_norm / k_norm (Qwen3's per-head RMSNorm before the rotation) are applied when not NULL.
+ */
+#define DEFINE_ROPE_WRITE_KV(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, STORE_C)                            \
+    static inline void rope_tokens_##SUFFIX(const XT *restrict qkv, const int64_t *restrict positions,    \
+                                            const float *restrict cos_table,                              \
+                                            const float *restrict sin_table, XT *restrict q_out,          \
+                                            CT *restrict k_cache, CT *restrict v_cache,                   \
+                                            const int64_t *restrict slot_blocks,                          \
+                                            const int64_t *restrict slot_offsets,                         \
+                                            const CT *restrict q_norm, const CT *restrict k_norm,         \
+                                            float eps, int64_t num_tokens, int64_t num_heads,             \
+                                            int64_t num_kv_heads) {                                       \
+        const int64_t stride = (num_heads + 2 * num_kv_heads) * HEAD_DIM, half = HEAD_DIM / 2;            \
+        _Pragma("omp for")                                                                                \
+        for (int64_t t = 0; t < num_tokens; t++) {                                                        \
+            const float *c = cos_table + positions[t] * HEAD_DIM, *s = sin_table + positions[t] * HEAD_DIM; \
+            const XT *row = qkv + t * stride;                                                             \
+            for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {                                      \
+                const int is_q = h < num_heads;                                                           \
+                const CT *norm = is_q ? q_norm : k_norm;                                                  \
+                float x[HEAD_DIM], y[HEAD_DIM];                                                           \
+                for (int64_t d = 0; d < HEAD_DIM; d++) x[d] = LOAD_X(row[h * HEAD_DIM + d]);              \
+                if (norm) {                                                                               \
+                    double squares = 0.0;                                                                 \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) squares += (double)x[d] * x[d];                \
+                    const float scale = 1.0f / sqrtf((float)(squares / HEAD_DIM) + eps);                  \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) x[d] = x[d] * scale * LOAD_C(norm[d]);         \
+                }                                                                                         \
+                _Pragma("omp simd")                                                                       \
+                for (int64_t d = 0; d < HEAD_DIM; d++) y[d] = x[d] * c[d] + x[(d + half) % HEAD_DIM] * s[d]; \
+                if (is_q) {                                                                               \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) q_out[(t * num_heads + h) * HEAD_DIM + d] = STORE_X(y[d]); \
+                } else {                                                                                  \
+                    CT *keys = k_cache + (slot_blocks[t] * num_kv_heads + h - num_heads) * BLOCK_SIZE * HEAD_DIM; \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) keys[d * BLOCK_SIZE + slot_offsets[t]] = STORE_C(y[d]); \
+                }                                                                                         \
+            }                                                                                             \
+            const XT *v = row + (num_heads + num_kv_heads) * HEAD_DIM;                                    \
+            for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
+                CT *values = v_cache + ((slot_blocks[t] * num_kv_heads + h) * BLOCK_SIZE + slot_offsets[t]) * HEAD_DIM; \
+                for (int64_t d = 0; d < HEAD_DIM; d++) values[d] = STORE_C(LOAD_X(v[h * HEAD_DIM + d]));  \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+#endif

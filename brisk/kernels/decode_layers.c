@@ -1,0 +1,152 @@
+/*
+ * Every transformer layer of a decode step in one call, for small batches on CPUs.
+ *
+ * At batch 1 a decode step of a small model is ~30 layers x 9 operations, each a few microseconds
+ * of work; run as separate calls from Python, the calls cost more than the work (~160 us of
+ * Python per layer, measured). Here one parallel region runs the whole step: the threads stay
+ * up from the first layer to the last and meet at a barrier (the end of each `omp for`) between
+ * operations, which costs about a microsecond. Per layer:
+ *
+ *     residual += x; x = rms_norm(residual)       (the first layer starts from residual = 0)
+ *     qkv = x @ Wqkv^T (+ bias)                   weight stream
+ *     q = rope(q); cache <- rope(k), v            attention.h
+ *     a = attention(q, cache)                     attention.h
+ *     x = a @ Wo^T                                weight stream
+ *     residual += x; x = rms_norm(residual)
+ *     gu = x @ Wgate_up^T                         weight stream
+ *     h = silu(gate) * up
+ *     x = h @ Wdown^T                             weight stream
+ *
+ * and last the final norm. The operations are the same bodies the standalone kernels run, so
+ * the fused step and the layer-by-layer path compute the same thing. Activations are float32
+ * scratch; weights and the KV cache are in the model's dtype (T). Each projection goes through
+ * `project`, which dispatches on the weight's format: the seam where low-bit formats plug in.
+ *
+ * With `timings` non-NULL, the master thread adds the wall time of each phase (barrier waits
+ * included) to timings[PHASE_*] in nanoseconds: how `brisk bench step` splits the step.
+ */
+#define _POSIX_C_SOURCE 199309L
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "attention.h"
+#include "layer_ops.h"
+#include "matvec.h"
+
+enum weight_format { WEIGHT_DENSE = 0 }; /* a row-major [rows, cols] matrix in the model's dtype */
+enum phase { PHASE_MATMUL, PHASE_ATTENTION, PHASE_OTHER };
+
+struct weight {
+    const void *data;
+    const void *bias; /* [rows] in the model's dtype, or NULL */
+    int64_t rows, cols, format;
+};
+
+struct decode_layer {
+    const void *input_norm, *post_attention_norm;
+    const void *q_norm, *k_norm; /* per-head norms (Qwen3), or NULL */
+    struct weight qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* layouts in attention.h */
+};
+
+struct decode_model {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, intermediate;
+    float eps, scale;
+    const void *final_norm;
+    const float *cos_table, *sin_table; /* [max_len, HEAD_DIM], see attention.h */
+    const struct decode_layer *layers;
+};
+
+struct decode_batch {
+    int64_t num_seqs, max_blocks;
+    const int64_t *positions, *slot_blocks, *slot_offsets; /* [num_seqs] */
+    const int64_t *block_tables;                           /* [num_seqs, max_blocks] */
+    const int64_t *context_lens;                           /* [num_seqs], this step's token included */
+};
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+#define LAP(phase)                                                                                        \
+    do {                                                                                                  \
+        if (timings && omp_get_thread_num() == 0) {                                                       \
+            const int64_t t = now_ns();                                                                   \
+            timings[phase] += t - mark;                                                                   \
+            mark = t;                                                                                     \
+        }                                                                                                 \
+    } while (0)
+
+#define DEFINE_DECODE_LAYERS(SUFFIX, T, LOAD, STORE)                                                      \
+    DEFINE_MATVEC(matvec_##SUFFIX, float, load_f32, store_f32, T, LOAD)                                   \
+    DEFINE_LAYER_OPS(SUFFIX, float, load_f32, store_f32, T, LOAD)                                         \
+    DEFINE_DECODE_ATTENTION(SUFFIX, float, load_f32, store_f32, T, LOAD)                                  \
+    DEFINE_ROPE_WRITE_KV(SUFFIX, float, load_f32, store_f32, T, LOAD, STORE)                              \
+                                                                                                          \
+    /* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias) */                                                  \
+    static void project_##SUFFIX(const struct weight *w, const float *x, float *y, int64_t m) {           \
+        switch (w->format) {                                                                              \
+        case WEIGHT_DENSE:                                                                                \
+            matvec_##SUFFIX(x, (const T *)w->data, (const T *)w->bias, y, m, w->rows, w->cols);           \
+            break;                                                                                        \
+        }                                                                                                 \
+    }                                                                                                     \
+                                                                                                          \
+    /* x [num_seqs, hidden]: this step's embeddings in, the final norm's output out. */                   \
+    void decode_layers_##SUFFIX(const struct decode_model *model, const struct decode_batch *batch,       \
+                                float *x, int64_t *timings) {                                             \
+        const int64_t m = batch->num_seqs, hidden = model->hidden, inter = model->intermediate;           \
+        const int64_t q_size = model->num_heads * HEAD_DIM;                                               \
+        const int64_t qkv_size = q_size + 2 * model->num_kv_heads * HEAD_DIM;                             \
+        const float eps = model->eps;                                                                     \
+        float *residual = calloc(m * hidden, sizeof(float));                                              \
+        float *qkv = malloc(sizeof(float) * m * qkv_size), *q = malloc(sizeof(float) * m * q_size);       \
+        float *attended = malloc(sizeof(float) * m * q_size);                                             \
+        float *gate_up = malloc(sizeof(float) * m * 2 * inter), *act = malloc(sizeof(float) * m * inter); \
+        _Pragma("omp parallel")                                                                           \
+        {                                                                                                 \
+            int64_t mark = timings ? now_ns() : 0;                                                        \
+            for (int64_t l = 0; l < model->num_layers; l++) {                                             \
+                const struct decode_layer *layer = model->layers + l;                                     \
+                add_rms_norm_rows_##SUFFIX(x, residual, layer->input_norm, m, hidden, eps);               \
+                LAP(PHASE_OTHER);                                                                         \
+                project_##SUFFIX(&layer->qkv, x, qkv, m);                                                 \
+                LAP(PHASE_MATMUL);                                                                        \
+                rope_tokens_##SUFFIX(qkv, batch->positions, model->cos_table, model->sin_table, q,        \
+                                     layer->k_cache, layer->v_cache, batch->slot_blocks,                  \
+                                     batch->slot_offsets,                                                 \
+                                     layer->q_norm, layer->k_norm, eps, m, model->num_heads,              \
+                                     model->num_kv_heads);                                                \
+                LAP(PHASE_OTHER);                                                                         \
+                decode_attention_##SUFFIX(q, layer->k_cache, layer->v_cache, batch->block_tables,         \
+                                          batch->context_lens, attended, m, model->num_heads,             \
+                                          model->num_kv_heads, batch->max_blocks, model->scale);          \
+                LAP(PHASE_ATTENTION);                                                                     \
+                project_##SUFFIX(&layer->o, attended, x, m);                                              \
+                LAP(PHASE_MATMUL);                                                                        \
+                add_rms_norm_rows_##SUFFIX(x, residual, layer->post_attention_norm, m, hidden, eps);      \
+                LAP(PHASE_OTHER);                                                                         \
+                project_##SUFFIX(&layer->gate_up, x, gate_up, m);                                         \
+                LAP(PHASE_MATMUL);                                                                        \
+                silu_mul_rows_##SUFFIX(gate_up, act, m, inter);                                           \
+                LAP(PHASE_OTHER);                                                                         \
+                project_##SUFFIX(&layer->down, act, x, m);                                                \
+                LAP(PHASE_MATMUL);                                                                        \
+            }                                                                                             \
+            add_rms_norm_rows_##SUFFIX(x, residual, model->final_norm, m, hidden, eps);                   \
+            LAP(PHASE_OTHER);                                                                             \
+        }                                                                                                 \
+        free(residual);                                                                                   \
+        free(qkv);                                                                                        \
+        free(q);                                                                                          \
+        free(attended);                                                                                   \
+        free(gate_up);                                                                                    \
+        free(act);                                                                                        \
+    }
+
+DEFINE_DECODE_LAYERS(f32, float, load_f32, store_f32)
+DEFINE_DECODE_LAYERS(bf16, uint16_t, load_bf16, store_bf16)
