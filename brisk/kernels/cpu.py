@@ -62,7 +62,8 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
     source = _HERE / source_name
     flags = [*_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
     headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))
-    inputs = source.read_bytes() + headers + " ".join([compiler, *flags, *_LINK_FLAGS]).encode()
+    inputs = (source.read_bytes() + headers + " ".join([compiler, *flags, *_LINK_FLAGS]).encode()
+              + _native_target(compiler).encode())
     key = hashlib.sha256(inputs).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
@@ -79,6 +80,32 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
             if symbol is not None:
                 symbol.argtypes = argtypes
     return lib
+
+
+@cache
+def _native_target(compiler: str) -> str:
+    """What `-march=native` means on this machine: the instruction sets the compiler expands it
+    to. Part of the cache key, so a library built on an AVX-512 machine is never loaded on an
+    AVX2 one that shares the home folder (the flags alone are the same string on both)."""
+    try:
+        result = subprocess.run([compiler, "-march=native", "-E", "-v", "-"], input="", capture_output=True,
+                                text=True, timeout=30)
+        expanded = [line for line in result.stderr.splitlines() if "-march=" in line and " -E " in line]
+        if expanded:
+            return " ".join(sorted(f for f in expanded[0].split() if f.startswith(("-march", "-m"))))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return _cpu_flags()
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags from /proc/cpuinfo (Linux), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+    return " ".join(sorted(line.partition(":")[2].split()))
 
 
 def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:

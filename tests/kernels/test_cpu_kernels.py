@@ -174,3 +174,20 @@ def test_loading_the_kernels_keeps_subnormal_floats(tmp_path, monkeypatch):
     assert smallest_normal / 2 > 0.0  # Python's own float arithmetic
     assert torch.tensor(1e-40, dtype=torch.float32).item() > 0.0
     assert ctypes.c_float(1e-40).value > 0.0
+
+
+def test_the_kernel_cache_is_keyed_by_the_host_instruction_sets(tmp_path, monkeypatch):
+    """-march=native is the same flag on an AVX-512 and an AVX2 machine; the library built on one
+    must not be found by the other when they share a home folder."""
+    import shutil
+
+    assert cpu_kernels._native_target(shutil.which("cc") or shutil.which("gcc"))  # something to key on
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        for target in ("-march=znver4 -mavx512f -mavx512bf16", "-march=znver3 -mno-avx512f"):
+            monkeypatch.setattr(cpu_kernels, "_native_target", lambda compiler, target=target: target)
+            cpu_kernels._library.cache_clear()
+            assert cpu_kernels._library("linear.c") is not None
+    finally:
+        cpu_kernels._library.cache_clear()
+    assert len(list((tmp_path / "brisk" / "kernels").glob("linear-*.so"))) == 2
