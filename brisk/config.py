@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from brisk.kernels import cpu as cpu_kernels
+
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field."""
@@ -36,7 +38,8 @@ class EngineConfig:
     model: str | None = _knob(
         None, "Local Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)."
     )
-    dtype: str = _knob("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16.")
+    dtype: str = _knob("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto: bfloat16 "
+                                "on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX), float32 elsewhere.")
     device: str = _knob("auto", "Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int | None = _knob(
         None, "Longest prompt + completion in tokens; default: the model's context length."
@@ -84,9 +87,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """fp32 on CPU by default (exact parity with the reference); bf16 on accelerators."""
+        """auto: bf16 on accelerators and on CPUs that multiply bf16 natively (half the bytes per
+        decode step); fp32 on other CPUs, where bf16 matmuls are emulated and slow."""
         if self.dtype == "auto":
-            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+            native = self.torch_device.type != "cpu" or cpu_kernels.native_bf16()
+            return torch.bfloat16 if native else torch.float32
         return _DTYPES[self.dtype]
 
 
