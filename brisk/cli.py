@@ -1,4 +1,4 @@
-"""The `brisk` command: generate, chat, serve, bench.
+"""The `brisk` command: generate, chat, serve, bench, eval.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's, so every command accepts the same options with the same
@@ -114,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from brisk.bench.cli import add_bench_parser
+    from brisk.bench.cli import add_bench_parser, add_eval_parser
 
     add_bench_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

@@ -48,3 +48,7 @@ def test_chat_keeps_the_conversation(real_llm):
 def test_bad_options_exit_with_a_clear_error():
     result = _brisk("generate", "hi", "--dtype", "float8")
     assert result.returncode == 2 and "dtype must be" in result.stderr
+    result = _brisk("eval", "perplexity", "--context-len", "512", "--stride", "512")
+    assert result.returncode == 2 and "--stride must be in 1..511" in result.stderr
+    result = _brisk("eval", "perplexity", "--text", "/no/such/book.txt")
+    assert result.returncode == 2 and "no text at /no/such/book.txt" in result.stderr

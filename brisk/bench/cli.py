@@ -1,4 +1,4 @@
-"""`brisk bench ...` subcommands.
+"""`brisk bench ...` and `brisk eval ...` subcommands.
 
 Each takes every engine flag (the same builder as `brisk serve`); the defaults a benchmark
 changes are set in one `set_defaults` call next to its parser, where they can be read.
@@ -79,6 +79,22 @@ def add_bench_parser(sub) -> None:
     sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to come up")
     add_engine_arguments(sv)
     sv.set_defaults(func=_main_of("brisk.bench.serve"))
+
+
+def add_eval_parser(sub) -> None:
+    evaluate = sub.add_parser("eval", help="quality of the served model")
+    kinds = evaluate.add_subparsers(dest="eval", required=True)
+
+    ppl = kinds.add_parser("perplexity", help="perplexity over real English text (sliding windows)")
+    ppl.add_argument("--text", default=None, help="a UTF-8 text file; default: Pride and Prejudice (make install)")
+    ppl.add_argument("--max-tokens", type=int, default=65536, help="score the text's first N tokens")
+    ppl.add_argument("--context-len", type=int, default=1024)
+    ppl.add_argument("--stride", type=int, default=768,
+                     help="tokens between window starts (< context length): each scored token sees >= context - stride")
+    add_engine_arguments(ppl)
+    # fp32 is the reference every other mode is compared with; whole windows fit one step.
+    ppl.set_defaults(func=_main_of("brisk.bench.perplexity"), dtype="float32", max_num_batched_tokens=2048,
+                     kv_cache_memory_gib=2.0)
 
 
 def _main_of(module: str):
