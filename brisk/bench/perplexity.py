@@ -6,7 +6,8 @@ model reads it in windows of `context_len` tokens, one starting every `stride` t
 Face's sliding-window recipe): each window scores only the tokens no earlier window scored, so
 every token is scored once, and all but the first window's tokens are predicted from at least
 `context_len - stride` tokens of context. Scores come from the engine's `prompt_logprobs`: the
-same batched, paged forward that serves requests, so the number measures what is served.
+same batched, paged forward that serves requests. It is the prefill path: the fused decode
+step is checked against it by the tests (tests/model/test_fused_decode.py), not by this number.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def windows(num_tokens: int, context_len: int, stride: int) -> list[Window]:
 
 
 def perplexity(llm: LLM, token_ids: list[int], context_len: int, stride: int) -> Perplexity:
+    if len(token_ids) < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens, got {len(token_ids)}")
     spans = windows(len(token_ids), context_len, stride)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     start = time.perf_counter()
@@ -74,11 +77,13 @@ def main(args) -> None:
     from brisk.args import engine_config_from_args
     from brisk.config import ConfigError
 
+    if not 0 < args.stride < args.context_len:
+        raise ConfigError(f"--stride must be in 1..{args.context_len - 1} (below --context-len), got {args.stride}")
+    if args.max_tokens < 2:
+        raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     path = Path(args.text) if args.text else DEFAULT_TEXT
     if not path.exists():
         raise ConfigError(f"no text at {path}: run `make install` (it fetches Pride and Prejudice) or pass --text")
-    if not 0 < args.stride < args.context_len:
-        raise ConfigError(f"--stride must be in 1..{args.context_len - 1} (below --context-len), got {args.stride}")
     llm = LLM.from_config(engine_config_from_args(args))
     token_ids = llm.tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)[:args.max_tokens]
     result = perplexity(llm, token_ids, args.context_len, args.stride)

@@ -38,6 +38,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the var
     "paged_prefill_attention": [_PTR] * 5 + [_I64] * 4 + [ctypes.c_float],
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
     "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
+    "target_logprobs": [_PTR, _I64, _I64] + [_PTR] * 4,
     "rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "silu_mul": [_PTR] * 2 + [_I64] * 2,
@@ -208,6 +209,18 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return out
 
 
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 logits [B, V] and int64 targets [B]: the row's log-sum-exp, the target's
+    logprob and its rank (1 = most likely), with no [B, V] log-softmax built (see sampling.c)."""
+    logits, targets = logits.contiguous(), targets.contiguous()
+    rows, n = logits.shape
+    lse, logprob = torch.empty(rows), torch.empty(rows)
+    rank = torch.empty(rows, dtype=torch.long)
+    _library("sampling.c").target_logprobs_f32(logits.data_ptr(), rows, n, targets.data_ptr(), lse.data_ptr(),
+                                               logprob.data_ptr(), rank.data_ptr())
+    return lse, logprob, rank
+
+
 def layer_ops_available(x: torch.Tensor) -> bool:
     """Whether the fused norm and activation kernels serve this tensor's device and dtype."""
     return _on_cpu(x) and _library("layer_ops.c") is not None
@@ -301,12 +314,18 @@ class DecodeLayers:
 
     The pointer tables are filled once, here, not per step; this object keeps a reference to
     every tensor they point into, so they stay valid while it lives. The KV caches are bound on
-    the first call and again whenever the caches passed in are different tensors."""
+    the first call and again whenever a different list of caches is passed (the runner allocates
+    its list once and never replaces tensors in it)."""
 
     def __init__(self, layers: list[DecodeLayerWeights], final_norm: torch.Tensor, cos: torch.Tensor,
                  signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float):
         head_dim = cos.shape[1]
-        self._tensors = (layers, final_norm, cos, signed_sin)
+        tensors = [t for w in layers for t in vars(w).values() if t is not None] + [final_norm, cos, signed_sin]
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError("the fused decode step needs contiguous weights")
+        # Detached aliases pin the storage the tables point into, even if a parameter's .data is
+        # later swapped (Module.to); the model drops this object when that happens.
+        self._storage = [t.detach() for t in tensors]
         self._dtype = final_norm.dtype
         self._layers = (_Layer * len(layers))(*(
             _Layer(_ptr(w.input_norm), _ptr(w.post_attention_norm), _ptr(w.q_norm), _ptr(w.k_norm),
@@ -333,6 +352,10 @@ class DecodeLayers:
         return x
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self._layers)} layers")
+        if any(c.dtype != self._dtype or not c.is_contiguous() for pair in kv_caches for c in pair):
+            raise ValueError(f"the fused decode step needs contiguous {self._dtype} KV caches")
         for layer, (k_cache, v_cache) in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self._kernel = getattr(_decode_library(kv_caches[0][1]), f"decode_layers_{_SUFFIXES[self._dtype]}")

@@ -93,6 +93,8 @@ static inline int64_t now_ns(void) {
         case WEIGHT_DENSE:                                                                                \
             matvec_##SUFFIX(x, (const T *)w->data, (const T *)w->bias, y, m, w->rows, w->cols);           \
             break;                                                                                        \
+        default: /* the Python side builds only the formats listed in enum weight_format */               \
+            abort();                                                                                      \
         }                                                                                                 \
     }                                                                                                     \
                                                                                                           \

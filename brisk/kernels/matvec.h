@@ -22,8 +22,9 @@
 #include "dtypes.h"
 
 /* Dot products of ROWS activation rows with one weight row, loaded once for all of them. Sums are
- * float32 vector lanes: over rows of ~1000 terms that stays within a few ulps of the exact
- * product, and keeps the loop memory-bound up to 8 rows (double sums were compute-bound from 2). */
+ * float32 vector lanes: their error relative to sum |x * w| is ~5e-8 for rows of 576 to 14k terms,
+ * as BLAS's sgemv, and the loop stays memory-bound up to 8 rows (double sums were compute-bound
+ * from 2). */
 #define DEFINE_MATVEC_BLOCK(NAME, XT, LOAD_X, WT, LOAD_W, ROWS)                                           \
     static inline void NAME(const XT *restrict x, const WT *restrict row, int64_t k,                      \
                             float *restrict sums) {                                                       \

@@ -20,6 +20,7 @@
  * Sums are in double. NaN and infinities are recognised by their bits: the kernels are built
  * with -ffast-math, under which isinf/isnan may fold to false.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -186,5 +187,31 @@ void sample_rows_f32(const float *restrict logits, int64_t rows, int64_t n, cons
             out[r] = sample_row(logits + r * n, n, temperature[r], top_k[r], top_p[r], min_p[r], u[r], w, scratch);
         free(w);
         free(scratch);
+    }
+}
+
+/* Per row of logits [rows, n]: the log-sum-exp, and the target token's logprob and rank (1 + the
+ * tokens with a strictly larger logit): what logprobs need, without building a [rows, n]
+ * log-softmax. One pass for the max, one for the sum of exponentials and the count. Non-finite
+ * logits weigh 0; a non-finite target's logit is its logprob, as log-softmax would give. */
+void target_logprobs_f32(const float *restrict logits, int64_t rows, int64_t n, const int64_t *restrict targets,
+                         float *restrict lse, float *restrict logprob, int64_t *restrict rank) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *z = logits + r * n;
+        const float target = z[targets[r]];
+        float top = -FLT_MAX;
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < n; i++) top = is_finite(z[i]) && z[i] > top ? z[i] : top;
+        double total = 0.0;
+        int64_t better = 0;
+#pragma omp simd reduction(+ : total, better)
+        for (int64_t i = 0; i < n; i++) {
+            total += is_finite(z[i]) ? expf(z[i] - top) : 0.0f;
+            better += z[i] > target;
+        }
+        lse[r] = top + (float)log(total);
+        logprob[r] = is_finite(target) ? target - lse[r] : target;
+        rank[r] = better + 1;
     }
 }

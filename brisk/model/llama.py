@@ -153,6 +153,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.norm(x, residual)[0]
 
+    def _apply(self, fn, *args, **kwargs):
+        """Moving or casting the weights (Module.to and friends) swaps their storage: the fused
+        step's pointer tables are rebuilt on the next decode step."""
+        self._decode_layers = None
+        return super()._apply(fn, *args, **kwargs)
+
     def _fused_decode_serves(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Small pure-decode steps on CPU run every layer in one C call (kernels/decode_layers.c):
         at batch 1, Python's ~160 us per layer of dispatch was more than the layer's own work

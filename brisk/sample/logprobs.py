@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from brisk.kernels import cpu as cpu_kernels
+
 
 @dataclass
 class Logprob:
@@ -34,12 +36,21 @@ class RankedLogprobs:
     top_token_ids: torch.Tensor | None  # [B, K]
 
 
-def rank_targets(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> RankedLogprobs:
-    """Ranks each row's target token in that row's [B, V] `logprobs` and takes its k best."""
-    chosen = logprobs.gather(1, targets.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_logprobs, top_token_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-    return RankedLogprobs(chosen.squeeze(1), ranks, top_logprobs, top_token_ids)
+def rank_targets(logits: torch.Tensor, targets: torch.Tensor, k: int) -> RankedLogprobs:
+    """Ranks each row's target token under log_softmax of that row's [B, V] `logits` and takes
+    its k best. The [B, V] log-softmax is never built: a row's logprobs are its logits minus its
+    log-sum-exp, and ranks and the top k are the same on either (on CPU one C pass per row)."""
+    if cpu_kernels.sampling_available(logits):
+        lse, chosen, ranks = cpu_kernels.target_logprobs(logits, targets)
+    else:
+        lse = torch.logsumexp(logits, dim=-1)
+        target_logits = logits.gather(1, targets.unsqueeze(1))
+        chosen = target_logits.squeeze(1) - lse
+        ranks = (logits > target_logits).sum(dim=-1) + 1
+    if k == 0:
+        return RankedLogprobs(chosen, ranks, None, None)
+    top_logits, top_token_ids = logits.topk(k, dim=-1)
+    return RankedLogprobs(chosen, ranks, top_logits - lse.unsqueeze(1), top_token_ids)
 
 
 def token_logprobs(ranked: RankedLogprobs, targets: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
@@ -64,6 +75,5 @@ def token_logprobs(ranked: RankedLogprobs, targets: list[int], num_top: list[int
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
     """Row i of `logits` predicts prompt token `targets[i]`: its logprob, rank and the k best."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    ranked = rank_targets(logprobs, torch.tensor(targets, device=logprobs.device), k)
+    ranked = rank_targets(logits, torch.tensor(targets, device=logits.device), k)
     return token_logprobs(ranked, targets, [k] * len(targets))

@@ -131,7 +131,7 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """[B, V] float32 logits (modified in place) -> one token per row."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
+    raw_logits = logits.clone() if batch.num_logprobs is not None else None  # adjust() works in place
     logits = batch.adjust(logits)
     if cpu_kernels.sampling_available(logits):  # its argmax is also faster than torch's
         draws = batch.uniforms if batch.uniforms is not None else batch.temperature.double()  # all 0: unused
@@ -140,9 +140,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = logits.argmax(dim=-1)
     else:
         tokens = _sample_torch(logits, batch)
-    if raw_logprobs is None:
+    if raw_logits is None:
         return SamplerOutput(tokens)
-    return SamplerOutput(tokens, rank_targets(raw_logprobs, tokens, batch.num_logprobs))
+    return SamplerOutput(tokens, rank_targets(raw_logits, tokens, batch.num_logprobs))
 
 
 def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

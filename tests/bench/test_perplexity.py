@@ -47,3 +47,9 @@ def test_perplexity_matches_transformers_over_the_same_windows(tiny_model_dir):
     expected = math.exp(nll / (len(token_ids) - 1))
     assert ours.scored_tokens == len(token_ids) - 1
     assert abs(ours.perplexity - expected) / expected < 1e-5
+
+
+@pytest.mark.parametrize("token_ids", [[], [5]])
+def test_perplexity_needs_two_tokens(token_ids):
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        perplexity(None, token_ids, context_len=32, stride=16)  # refused before the model is used

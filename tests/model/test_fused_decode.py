@@ -60,3 +60,12 @@ def test_fused_decode_step_matches_layer_by_layer(tiny_model_dir, dtype, toleran
         assert (fv.float() - v.float()).abs().max().item() < tolerance
     for r in requests:
         engine.kv.free(r)
+
+
+def test_casting_the_model_drops_the_fused_pointer_tables(tiny_model_dir):
+    """Module.to swaps every parameter's storage; tables pointing into the old one must go."""
+    llm = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=256)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert llm.engine.model._decode_layers is not None
+    llm.engine.model.float()
+    assert llm.engine.model._decode_layers is None

@@ -19,25 +19,62 @@ def _lp(row: int, token: int) -> float:
     return EXPECTED[row, token].item()
 
 
+def _same(entry, expected) -> bool:
+    """Same tokens in the same order, same ranks, logprobs within float64 rounding (logits minus
+    their log-sum-exp and log_softmax may differ in the last bit)."""
+    return list(entry) == list(expected) and all(
+        entry[t].rank == expected[t].rank and entry[t].logprob == pytest.approx(expected[t].logprob, rel=1e-15)
+        for t in expected)
+
+
 def test_prompt_logprobs_put_the_target_first_then_the_top_k_with_their_ranks():
     entries = prompt_logprobs(LOGITS, [2, 1, 1], k=2)
-    assert entries[0] == {2: Logprob(_lp(0, 2), 2), 1: Logprob(_lp(0, 1), 1)}
+    assert _same(entries[0], {2: Logprob(_lp(0, 2), 2), 1: Logprob(_lp(0, 1), 1)})
     assert list(entries[0]) == [2, 1]  # the target keeps its own rank when it is also in the top-k
-    assert entries[1] == {1: Logprob(_lp(1, 1), 3), 0: Logprob(_lp(1, 0), 1), 2: Logprob(_lp(1, 2), 2)}
+    assert _same(entries[1], {1: Logprob(_lp(1, 1), 3), 0: Logprob(_lp(1, 0), 1), 2: Logprob(_lp(1, 2), 2)})
     assert list(entries[1]) == [1, 0, 2]
     assert entries[0][2].logprob == pytest.approx(math.log(0.3), abs=1e-12)
 
 
 def test_rank_counts_only_strictly_better_tokens():
     entries = prompt_logprobs(LOGITS, [1, 3, 0], k=0)
-    assert entries[0] == {1: Logprob(_lp(0, 1), 1)}
-    assert entries[1] == {3: Logprob(-math.inf, 4)}  # probability 0: behind every other token
-    assert entries[2] == {0: Logprob(_lp(2, 0), 1)}  # tied for best
+    assert _same(entries[0], {1: Logprob(_lp(0, 1), 1)})
+    assert _same(entries[1], {3: Logprob(-math.inf, 4)})  # probability 0: behind every other token
+    assert _same(entries[2], {0: Logprob(_lp(2, 0), 1)})  # tied for best
 
 
 def test_token_logprobs_give_each_row_the_top_k_it_asked_for():
     ranked = rank_targets(EXPECTED, torch.tensor([0, 2, 1]), k=2)
     bare, two, none = token_logprobs(ranked, [0, 2, 1], [0, 2, None])
-    assert bare == {0: Logprob(_lp(0, 0), 3)}
-    assert two == {2: Logprob(_lp(1, 2), 2), 0: Logprob(_lp(1, 0), 1)} and list(two) == [2, 0]
+    assert _same(bare, {0: Logprob(_lp(0, 0), 3)})
+    assert _same(two, {2: Logprob(_lp(1, 2), 2), 0: Logprob(_lp(1, 0), 1)}) and list(two) == [2, 0]
     assert none is None
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_float32_logprobs_rank_as_log_softmax_does(path, monkeypatch):
+    """The C pass (CPU) and the torch formulation (elsewhere) against float64 log_softmax, with
+    banned (-inf) logits, a -inf target and a tie."""
+    from brisk.kernels import cpu as cpu_kernels
+
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "sampling_available", lambda logits: False)
+    elif not cpu_kernels.sampling_available(torch.zeros(1, 1)):
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 5000, generator=g) * 4
+    targets = torch.randint(0, 5000, (64,), generator=g)
+    logits[5, :100] = -math.inf
+    logits[3, 17], targets[3] = -math.inf, 17
+    logits[7, 9], targets[7] = logits[7, 10], 9
+    ranked = rank_targets(logits, targets, k=5)
+
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    chosen = exact.gather(1, targets.unsqueeze(1)).squeeze(1)
+    assert torch.equal(ranked.target_ranks, (exact > chosen.unsqueeze(1)).sum(dim=-1) + 1)
+    finite = chosen.isfinite()
+    assert (ranked.target_logprobs.double()[finite] - chosen[finite]).abs().max().item() < 1e-5
+    assert ranked.target_logprobs[3].item() == -math.inf
+    best = exact.topk(5, dim=-1)
+    assert torch.equal(ranked.top_token_ids, best.indices)
+    assert (ranked.top_logprobs.double() - best.values).abs().max().item() < 1e-5
