@@ -170,7 +170,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
                   num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     """qkv [T, (H_q + 2 H_kv) * D] -> rotated q [T, H_q, D]; rotated k and v written to the cache slots.
-    See paged_attention.c for the layout and the rotation."""
+    See attention.h for the layout and the rotation."""
     num_tokens, head_dim = qkv.shape[0], v_cache.shape[3]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
     getattr(_attention_library(v_cache), f"rope_write_kv_{_SUFFIXES[qkv.dtype]}")(

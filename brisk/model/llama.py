@@ -3,8 +3,9 @@
 Differences from transformers' modules, all for speed: q/k/v and gate/up are fused into one
 matmul each, RoPE tables are shared by every layer, attention reads K/V through block tables
 (see attention.py), and on CPU the work between the matmuls runs in fused C kernels: residual
-add + RMSNorm in place, RoPE + the K/V cache write, SiLU-and-multiply (kernels/layer_ops.c,
-kernels/paged_attention.c; the torch code beside each call is their reference). Weights keep
+add + RMSNorm in place, RoPE + the K/V cache write, SiLU-and-multiply (kernels/layer_ops.h,
+kernels/attention.h; the torch code beside each call is their reference). Decode steps of up to
+8 sequences run every layer in one C call (kernels/decode_layers.c). Weights keep
 Hugging Face names on the way in, so any HF checkpoint or a GGUF file renamed to HF names loads
 through `load_weights`.
 """

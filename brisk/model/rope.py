@@ -1,7 +1,7 @@
 """Rotary position embeddings: cos/sin tables built once, looked up by position each step.
 
 Rotation is rotate-half ("neox") style, as Hugging Face's Llama applies it; the C kernel that
-writes K/V to the cache (kernels/paged_attention.c) rotates with the same tables.
+writes K/V to the cache (kernels/attention.h) rotates with the same tables.
 """
 
 from __future__ import annotations
