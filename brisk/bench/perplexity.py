@@ -77,8 +77,10 @@ def main(args) -> None:
     from brisk.args import engine_config_from_args
     from brisk.config import ConfigError
 
-    if not 0 < args.stride < args.context_len:
-        raise ConfigError(f"--stride must be in 1..{args.context_len - 1} (below --context-len), got {args.stride}")
+    try:
+        windows(0, args.context_len, args.stride)  # checks the window shape before the model loads
+    except ValueError as exc:
+        raise ConfigError(f"--{exc}") from None
     if args.max_tokens < 2:
         raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     path = Path(args.text) if args.text else DEFAULT_TEXT

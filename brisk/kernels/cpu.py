@@ -129,8 +129,9 @@ def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
 
 
-def _attention_library(v_cache: torch.Tensor) -> ctypes.CDLL | None:
-    return _library("paged_attention.c", (("BLOCK_SIZE", v_cache.shape[2]), ("HEAD_DIM", v_cache.shape[3])))
+def _shaped_library(source_name: str, v_cache: torch.Tensor) -> ctypes.CDLL | None:
+    """A kernel library built for a cache's block size and head dim ([blocks, H_kv, bs, D])."""
+    return _library(source_name, (("BLOCK_SIZE", v_cache.shape[2]), ("HEAD_DIM", v_cache.shape[3])))
 
 
 def _on_cpu(tensor: torch.Tensor) -> bool:
@@ -139,7 +140,7 @@ def _on_cpu(tensor: torch.Tensor) -> bool:
 
 def available(v_cache: torch.Tensor) -> bool:
     """Whether the attention kernels serve this cache's device, dtype and shape ([blocks, H_kv, bs, D])."""
-    return _on_cpu(v_cache) and _attention_library(v_cache) is not None
+    return _on_cpu(v_cache) and _shaped_library("paged_attention.c", v_cache) is not None
 
 
 def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -152,7 +153,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """q [n, H_q, D] (contiguous), k_cache [blocks, H_kv, D, bs], v_cache [blocks, H_kv, bs, D] -> out [n, H_q, D]."""
     n, num_heads, _ = q.shape
-    getattr(_attention_library(v_cache), f"paged_decode_attention_{_SUFFIXES[q.dtype]}")(
+    getattr(_shaped_library("paged_attention.c", v_cache), f"paged_decode_attention_{_SUFFIXES[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), n, num_heads, v_cache.shape[1], block_tables.shape[1], scale)
 
@@ -161,7 +162,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       start: int, scale: float, out: torch.Tensor) -> None:
     """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> out [L, H_q, D]."""
     num_queries, num_heads, _ = q.shape
-    getattr(_attention_library(v_cache), f"paged_prefill_attention_{_SUFFIXES[q.dtype]}")(
+    getattr(_shaped_library("paged_attention.c", v_cache), f"paged_prefill_attention_{_SUFFIXES[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), out.data_ptr(),
         num_queries, start, num_heads, v_cache.shape[1], scale)
 
@@ -173,7 +174,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     See attention.h for the layout and the rotation."""
     num_tokens, head_dim = qkv.shape[0], v_cache.shape[3]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    getattr(_attention_library(v_cache), f"rope_write_kv_{_SUFFIXES[qkv.dtype]}")(
+    getattr(_shaped_library("paged_attention.c", v_cache), f"rope_write_kv_{_SUFFIXES[qkv.dtype]}")(
         qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), q.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
         None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
@@ -302,11 +303,8 @@ def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Weight:
 
 def decode_layers_available(v_cache: torch.Tensor) -> bool:
     """Whether the fused decode step (decode_layers.c) serves a model with this cache."""
-    return _on_cpu(v_cache) and _decode_library(v_cache) is not None
+    return _on_cpu(v_cache) and _shaped_library("decode_layers.c", v_cache) is not None
 
-
-def _decode_library(v_cache: torch.Tensor) -> ctypes.CDLL | None:
-    return _library("decode_layers.c", (("BLOCK_SIZE", v_cache.shape[2]), ("HEAD_DIM", v_cache.shape[3])))
 
 
 class DecodeLayers:
@@ -358,5 +356,6 @@ class DecodeLayers:
             raise ValueError(f"the fused decode step needs contiguous {self._dtype} KV caches")
         for layer, (k_cache, v_cache) in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        self._kernel = getattr(_decode_library(kv_caches[0][1]), f"decode_layers_{_SUFFIXES[self._dtype]}")
+        library = _shaped_library("decode_layers.c", kv_caches[0][1])
+        self._kernel = getattr(library, f"decode_layers_{_SUFFIXES[self._dtype]}")
         self._kv_caches = kv_caches
