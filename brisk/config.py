@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.quant.formats import GROUP_SIZES
+from brisk.quant.modules import METHODS as QUANTIZATION_METHODS
 
 
 class ConfigError(ValueError):
@@ -40,6 +42,16 @@ class EngineConfig:
     )
     dtype: str = _knob("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto: bfloat16 "
                                 "on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX), float32 elsewhere.")
+    quantization: str | None = _knob(
+        None, "Run the weights in fewer bits: int8 (per channel), fp8 (e4m3, per channel), int4 (groups with "
+              "zero points), nf4 (normal-float groups), or gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, as "
+              "stored), or w8a8 (int8 with --int8-activations). The embedding table and LM head get 8 bits. "
+              "Default: the weights in --dtype.")
+    quantization_group_size: int = _knob(
+        32, "Columns per scale of int4 and nf4: 32, 64 or 128 (perplexity of the default model: +0.05%, +30%, +50%).")
+    int8_activations: bool = _knob(
+        False, "With int8, int4 or gguf weights: round each decode step's activations to int8 per block of 32 "
+               "and multiply in integers (as llama.cpp does); faster, no longer exact to the weights.")
     device: str = _knob("auto", "Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int | None = _knob(
         None, "Longest prompt + completion in tokens; default: the model's context length."
@@ -65,6 +77,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        if self.int8_activations and self.quantization in (None, "fp8", "nf4"):
+            raise ConfigError("int8_activations needs quantization int8, int4, gguf or w8a8")
+        if self.quantization_group_size not in GROUP_SIZES:
+            raise ConfigError(f"quantization_group_size must be one of {GROUP_SIZES}, got {self.quantization_group_size}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

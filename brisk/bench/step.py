@@ -35,7 +35,8 @@ from brisk.sampling_params import SamplingParams
 # (module, attribute, category): the weight-streaming matmuls, the attention kernels, and the
 # pieces of the rest worth naming.
 _KERNELS = [
-    (cpu_kernels, "linear_rows", "matmul"), (F, "linear", "matmul"), (torch, "mm", "matmul"),
+    (cpu_kernels, "linear_rows", "matmul"), (cpu_kernels, "quant_linear", "matmul"), (F, "linear", "matmul"),
+    (torch, "mm", "matmul"),
     (attention_module, "_decode_attention", "attention"), (attention_module, "_prefill_attention", "attention"),
     (cpu_kernels, "rope_write_kv", "rest: rope + kv write"), (cpu_kernels, "add_rms_norm", "rest: norms"),
     (cpu_kernels, "rms_norm", "rest: norms"), (cpu_kernels, "silu_mul", "rest: silu-mul"),

@@ -37,7 +37,8 @@ class LLMEngine:
         self.tokenizer = self.checkpoint.tokenizer
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         num_blocks = self._num_kv_blocks()
-        self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len, config.quantization,
+                                config.quantization_group_size, config.int8_activations)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from brisk.quant.formats import QuantizedTensor
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
@@ -30,7 +32,7 @@ _HERE = Path(__file__).parent
 # infinities so finite-math is safe. It is a compile flag only: linked with it, gcc (< 13) adds
 # crtfastmath.o, whose constructor turns on flush-to-zero for the whole process when the library
 # loads, silently changing every later float computation (torch's, numpy's, Python's own).
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the variant
@@ -44,6 +46,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the var
     "silu_mul": [_PTR] * 2 + [_I64] * 2,
     "rope_write_kv": [_PTR] * 11 + [ctypes.c_float] + [_I64] * 3,
     "decode_layers": [_PTR] * 4,
+    "quant_linear": [_PTR] * 3 + [_I64],
 }
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SMALL_BATCH_ROWS = 8  # up to this many rows linear_rows beats BLAS (measured crossover ~10-12)
@@ -55,13 +58,15 @@ def _cache_dir() -> Path:
 
 
 @cache
-def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL | None:
+def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march: str = "native") -> ctypes.CDLL | None:
+    """The kernel library for this source, built for the host CPU (march "native"); tests build
+    others ("x86-64-v3": the AVX2 + FMA path, "x86-64": the portable C path) to compare them."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: using the slower torch paths")
         return None
     source = _HERE / source_name
-    flags = [*_FLAGS, *(f"-D{name}={value}" for name, value in defines)]
+    flags = [*_FLAGS, f"-march={march}", *(f"-D{name}={value}" for name, value in defines)]
     headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))
     inputs = (source.read_bytes() + headers + " ".join([compiler, *flags, *_LINK_FLAGS]).encode()
               + _native_target(compiler).encode())
@@ -76,8 +81,8 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = ()) -> cty
             return None
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
-        for suffix in _SUFFIXES.values():
-            symbol = getattr(lib, f"{name}_{suffix}", None)
+        for symbol_name in (name, *(f"{name}_{suffix}" for suffix in _SUFFIXES.values())):
+            symbol = getattr(lib, symbol_name, None)
             if symbol is not None:
                 symbol.argtypes = argtypes
     return lib
@@ -254,8 +259,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class _Weight(ctypes.Structure):  # struct weight, decode_layers.c
-    _fields_ = [("data", _PTR), ("bias", _PTR), ("rows", _I64), ("cols", _I64), ("format", _I64)]
+class _Weight(ctypes.Structure):  # struct weight, quant.h
+    _fields_ = [("data", _PTR), ("bias", _PTR), ("scales", _PTR), ("mins", _PTR), ("rows", _I64), ("cols", _I64),
+                ("format", _I64), ("group", _I64), ("quantize_activations", _I64)]
 
 
 class _Layer(ctypes.Structure):  # struct decode_layer
@@ -275,30 +281,80 @@ class _Batch(ctypes.Structure):  # struct decode_batch
                 ("slot_offsets", _PTR), ("block_tables", _PTR), ("context_lens", _PTR)]
 
 
-_WEIGHT_DENSE = 0  # enum weight_format
+# enum weight_format, quant.h
+_FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5, "q4_0": 6, "q4_1": 7}
 
 
-@dataclass(frozen=True)
-class DecodeLayerWeights:
-    """One decoder layer's tensors, all in the model's dtype and contiguous."""
-
-    input_norm: torch.Tensor  # [hidden]
-    post_attention_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H_q + 2 H_kv) * D, hidden]: q rows, then k, then v
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, H_q * D]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up
-    down: torch.Tensor  # [hidden, intermediate]
-    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norms
-    k_norm: torch.Tensor | None = None
+# formats with an integer product for int8 activations (quant.h)
+INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "q4_0", "q4_1", "int4")
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Weight:
-    return _Weight(weight.data_ptr(), _ptr(bias), weight.shape[0], weight.shape[1], _WEIGHT_DENSE)
+class KernelWeight:
+    """A weight as the C kernels read it (struct weight), holding every tensor the struct points
+    into so the pointers stay valid while it lives."""
+
+    def __init__(self, struct: _Weight, tensors: list[torch.Tensor | None]):
+        self.struct = struct
+        self.rows, self.cols = struct.rows, struct.cols
+        self._tensors = [t for t in tensors if t is not None]
+
+    @classmethod
+    def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> KernelWeight:
+        """A [rows, cols] matrix in the model's dtype; its bias in the same dtype."""
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        return cls(_Weight(weight.data_ptr(), _ptr(bias), None, None, weight.shape[0], weight.shape[1],
+                           _FORMAT_IDS["dense"], 0, 0), [weight, bias])
+
+    @classmethod
+    def quantized(cls, weight: QuantizedTensor, bias: torch.Tensor | None = None,
+                  quantize_activations: bool = False) -> KernelWeight:
+        """A low-bit weight (see quant.h for each format's layout) and a float32 bias.
+        quantize_activations: products round activations to int8 per block (INT8_ACTIVATION_FORMATS)."""
+        if quantize_activations and weight.format not in INT8_ACTIVATION_FORMATS:
+            raise ValueError(f"{weight.format} weights multiply float activations only")
+        if weight.data.device.type != "cpu":
+            raise ValueError("the C kernels read weights in CPU memory")
+        scales = weight.scales
+        if weight.format == "fp8":
+            scales = scales * 256.0  # quant.h converts e4m3 through fp16, which yields the value / 2^8
+        tensors = [weight.data.contiguous(), None if scales is None else scales.float().contiguous(), weight.mins,
+                   None if bias is None else bias.detach().float().contiguous()]
+        data, scales, mins, bias = tensors
+        return cls(_Weight(data.data_ptr(), _ptr(bias), _ptr(scales), _ptr(mins), weight.shape[0], weight.shape[1],
+                           _FORMAT_IDS[weight.format], weight.group_size, quantize_activations), tensors)
+
+
+def quant_available(x: torch.Tensor) -> bool:
+    """Whether the low-bit kernels (quant.h) serve activations like x."""
+    return x.device.type == "cpu" and _library("quant_linear.c") is not None
+
+
+def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -> torch.Tensor:
+    """x [m, cols] float32 @ weight^T (+ bias) -> float32 [m, rows]. march: see _library."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.rows)
+    _library("quant_linear.c", march=march).quant_linear(ctypes.byref(weight.struct), x.data_ptr(), out.data_ptr(),
+                                                         x.shape[0])
+    return out
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One decoder layer's weights. Norms are tensors in the model's dtype, contiguous."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+    qkv: KernelWeight  # [(H_q + 2 H_kv) * D, hidden]: q rows, then k, then v
+    o: KernelWeight  # [hidden, H_q * D]
+    gate_up: KernelWeight  # [2 * intermediate, hidden]: gate rows, then up
+    down: KernelWeight  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norms
+    k_norm: torch.Tensor | None = None
 
 
 def decode_layers_available(v_cache: torch.Tensor) -> bool:
@@ -318,19 +374,22 @@ class DecodeLayers:
     def __init__(self, layers: list[DecodeLayerWeights], final_norm: torch.Tensor, cos: torch.Tensor,
                  signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float):
         head_dim = cos.shape[1]
-        tensors = [t for w in layers for t in vars(w).values() if t is not None] + [final_norm, cos, signed_sin]
-        if not all(t.is_contiguous() for t in tensors):
+        norms = [t for w in layers for t in (w.input_norm, w.post_attention_norm, w.q_norm, w.k_norm)
+                 if t is not None] + [final_norm, cos, signed_sin]
+        weights = [kw for w in layers for kw in (w.qkv, w.o, w.gate_up, w.down)]
+        if not all(t.is_contiguous() for t in norms + [kw._tensors[0] for kw in weights]):
             raise ValueError("the fused decode step needs contiguous weights")
-        # Detached aliases pin the storage the tables point into, even if a parameter's .data is
-        # later swapped (Module.to); the model drops this object when that happens.
-        self._storage = [t.detach() for t in tensors]
+        # Detached aliases (and the KernelWeights, which hold theirs) pin the storage the tables
+        # point into, even if a parameter's .data is later swapped (Module.to); the model drops
+        # this object when that happens.
+        self._storage = [t.detach() for t in norms] + weights
         self._dtype = final_norm.dtype
         self._layers = (_Layer * len(layers))(*(
             _Layer(_ptr(w.input_norm), _ptr(w.post_attention_norm), _ptr(w.q_norm), _ptr(w.k_norm),
-                   _dense(w.qkv, w.qkv_bias), _dense(w.o), _dense(w.gate_up), _dense(w.down))
+                   w.qkv.struct, w.o.struct, w.gate_up.struct, w.down.struct)
             for w in layers))
         self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads,
-                             layers[0].down.shape[1], eps, head_dim ** -0.5, final_norm.data_ptr(),
+                             layers[0].down.cols, eps, head_dim ** -0.5, final_norm.data_ptr(),
                              cos.data_ptr(), signed_sin.data_ptr(), self._layers)
         self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._kernel = None

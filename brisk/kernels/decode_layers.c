@@ -20,7 +20,8 @@
  * and last the final norm. The operations are the same bodies the standalone kernels run, so
  * the fused step and the layer-by-layer path compute the same thing. Activations are float32
  * scratch; weights and the KV cache are in the model's dtype (T). Each projection goes through
- * `project`, which dispatches on the weight's format: the seam where low-bit formats plug in.
+ * `project`, which dispatches on the weight's format: dense in the model's dtype (matvec.h) or
+ * one of the low-bit formats (quant.h).
  *
  * With `timings` non-NULL, the master thread adds the wall time of each phase (barrier waits
  * included) to timings[PHASE_*] in nanoseconds: how `brisk bench step` splits the step.
@@ -34,15 +35,9 @@
 #include "attention.h"
 #include "layer_ops.h"
 #include "matvec.h"
+#include "quant.h"
 
-enum weight_format { WEIGHT_DENSE = 0 }; /* a row-major [rows, cols] matrix in the model's dtype */
 enum phase { PHASE_MATMUL, PHASE_ATTENTION, PHASE_OTHER };
-
-struct weight {
-    const void *data;
-    const void *bias; /* [rows] in the model's dtype, or NULL */
-    int64_t rows, cols, format;
-};
 
 struct decode_layer {
     const void *input_norm, *post_attention_norm;
@@ -89,13 +84,10 @@ static inline int64_t now_ns(void) {
                                                                                                           \
     /* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias) */                                                  \
     static void project_##SUFFIX(const struct weight *w, const float *x, float *y, int64_t m) {           \
-        switch (w->format) {                                                                              \
-        case WEIGHT_DENSE:                                                                                \
+        if (w->format == WEIGHT_DENSE)                                                                    \
             matvec_##SUFFIX(x, (const T *)w->data, (const T *)w->bias, y, m, w->rows, w->cols);           \
-            break;                                                                                        \
-        default: /* the Python side builds only the formats listed in enum weight_format */               \
-            abort();                                                                                      \
-        }                                                                                                 \
+        else                                                                                              \
+            qmatvec(w, x, y, m);                                                                          \
     }                                                                                                     \
                                                                                                           \
     /* x [num_seqs, hidden]: this step's embeddings in, the final norm's output out. */                   \

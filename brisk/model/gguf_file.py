@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterator
 
 import gguf
@@ -19,6 +20,7 @@ import tokenizers
 import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, dequantize_gguf_blocks
 from brisk.model.spec import ModelSpec, gguf_architecture
 from brisk.model.tokenizer import Tokenizer
 
@@ -168,11 +170,20 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear)")
         return (("factor", float(self._field(f"{self.arch}.rope.scaling.factor"))), ("rope_type", "linear"))
 
-    def weights(self, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: torch.dtype, device: torch.device,
+                keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """HF-named weights, dequantized to `dtype`; with keep_blocks, matrices stored in Q8_0,
+        Q4_0 or Q4_1 come as QuantizedTensors of the file's own blocks instead (bytes copied,
+        nothing rounded)."""
         spec = self.spec()
         for name, tensor in self.tensors.items():
             hf_name = _hf_name(name)
-            weight = dequantize(tensor).to(device=device, dtype=dtype)
+            kind = tensor.kind.name.lower()
+            if keep_blocks and kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
+                raw = torch.from_numpy(np.array(tensor.data)).view(tensor.shape[0], -1)
+                weight = QuantizedTensor(kind, tensor.shape, raw).to(device)
+            else:
+                weight = dequantize(tensor).to(device=device, dtype=dtype)
             if self.architecture.gguf_interleaved_rope and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = spec.num_heads if "attn_q" in name else spec.num_kv_heads
                 weight = _undo_rope_permutation(weight, heads)
@@ -227,10 +238,11 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([gpt2, byte_level])
 
 
-def _undo_rope_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _undo_rope_permutation(weight: torch.Tensor | QuantizedTensor, num_heads: int) -> torch.Tensor | QuantizedTensor:
     """llama.cpp interleaves each head's rotary halves; HF (and we) keep them as two halves."""
-    rows, cols = weight.shape
-    return weight.view(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows = weight.shape[0]
+    order = torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
+    return weight.rows(order) if isinstance(weight, QuantizedTensor) else weight[order]
 
 
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:
@@ -250,21 +262,10 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     return unpack(raw.view(-1, block_bytes)).view(tensor.shape)
 
 
-def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 scalar at byte `start` of every block, as a float32 column."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """16 bytes -> 32 values: low nibbles are elements 0..15, high nibbles 16..31 (ggml order)."""
-    return torch.cat((packed & 0x0F, packed >> 4), dim=1).float()
-
-
 _TORCH_DEQUANTIZERS = {
     gguf.GGMLQuantizationType.F32: lambda raw: raw.view(torch.float32),
     gguf.GGMLQuantizationType.F16: lambda raw: raw.view(torch.float16),
     gguf.GGMLQuantizationType.BF16: lambda raw: raw.view(torch.bfloat16),
-    gguf.GGMLQuantizationType.Q8_0: lambda b: _half(b, 0) * b[:, 2:].contiguous().view(torch.int8).float(),
-    gguf.GGMLQuantizationType.Q4_0: lambda b: _half(b, 0) * (_nibbles(b[:, 2:]) - 8.0),
-    gguf.GGMLQuantizationType.Q4_1: lambda b: _half(b, 0) * _nibbles(b[:, 4:]) + _half(b, 2),
+    **{getattr(gguf.GGMLQuantizationType, kind.upper()): partial(dequantize_gguf_blocks, kind)
+       for kind in GGUF_BLOCK_BYTES},
 }

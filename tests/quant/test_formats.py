@@ -1,0 +1,104 @@
+"""Each weight format's round trip (quantize -> dequantize) against a bound that follows from how
+it rounds, on shapes that are not multiples of the group or the block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.quant.formats import NF4_VALUES, QuantizedTensor, pack_nibbles, quantize, unpack_nibbles
+
+SHAPES = [(7, 45), (33, 100), (64, 128), (3, 31)]
+
+
+def _weight(shape, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g)  # rows of different scale
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_rounds_to_half_a_step_per_channel(shape):
+    w = _weight(shape)
+    q = quantize(w, "int8")
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert q.data.dtype == torch.int8 and q.scales.shape == (shape[0],)
+    assert ((q.dequantize() - w).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_rounds_to_half_a_step_per_group(shape, group):
+    w = _weight(shape)
+    q = quantize(w, "int4", group)
+    groups = -(-shape[1] // group)
+    assert q.scales.shape == q.mins.shape == (shape[0], groups)
+    assert q.data.shape == (shape[0], -(-shape[1] // 32) * 16)  # two codes a byte, padded to blocks of 32
+    padded = torch.nn.functional.pad(w, (0, groups * group - shape[1])).view(shape[0], groups, group)
+    span = padded.amax(dim=2) - padded.amin(dim=2)
+    step = (span / 15).repeat_interleave(group, dim=1)[:, :shape[1]]
+    assert ((q.dequantize() - w).abs() <= step / 2 * (1 + 1e-4) + 1e-7).all()
+
+
+def test_int4_at_group_32_reproduces_a_q4_1_grid_exactly():
+    """Weights that were 4-bit already (16 levels per 32 columns) come back as they were."""
+    g = torch.Generator().manual_seed(5)
+    scale, low = torch.rand(6, 3, 1, generator=g) + 0.1, torch.randn(6, 3, 1, generator=g)
+    codes = torch.randint(0, 16, (6, 3, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15  # each group spans its whole grid
+    w = (codes * scale + low).view(6, 96)
+    assert torch.allclose(quantize(w, "int4", 32).dequantize(), w, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nf4_picks_the_nearest_codebook_value(shape):
+    w = _weight(shape)
+    q = quantize(w, "nf4", 64)
+    scales = q.scales.repeat_interleave(64, dim=1)[:, :shape[1]]
+    distances = (w[..., None] / scales[..., None] - NF4_VALUES).abs()
+    chosen = (q.dequantize() / scales)[..., None]
+    assert torch.allclose(distances.min(dim=-1).values, (w[..., None] / scales[..., None] - chosen).abs()[..., 0],
+                          atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_keeps_three_mantissa_bits(shape):
+    w = _weight(shape)
+    q = quantize(w, "fp8")
+    error = (q.dequantize() - w).abs()
+    scale = q.scales[:, None]
+    # e4m3: relative spacing 2^-3 for normal values (half of it rounding), absolute 2^-9 * scale below 2^-6 * scale
+    assert (error <= torch.maximum(w.abs() * 2**-4, scale * 2**-10) * (1 + 1e-5)).all()
+
+
+def test_all_zero_rows_and_groups_stay_zero():
+    w = torch.zeros(3, 70)
+    w[1, 40:] = 1.0
+    for method in ("int8", "fp8", "int4", "nf4"):
+        q = quantize(w, method, 32)
+        assert torch.equal(q.dequantize(), w), method
+
+
+def test_nibbles_pack_in_gguf_order():
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    packed = pack_nibbles(codes)
+    assert packed[0, 0] == (codes[0, 0] | codes[0, 16] << 4)  # byte t: column t low, column t + 16 high
+    assert torch.equal(unpack_nibbles(packed), codes)
+
+
+def test_rows_and_cat_keep_every_format_consistent():
+    w = _weight((10, 96))
+    for method in ("int8", "fp8", "int4", "nf4"):
+        q = quantize(w, method, 32)
+        order = torch.tensor([3, 1, 7])
+        assert torch.equal(q.rows(order).dequantize(), q.dequantize()[order])
+        assert torch.equal(QuantizedTensor.cat([q.rows(order), q]).dequantize(),
+                           torch.cat([q.dequantize()[order], q.dequantize()]))
+
+
+def test_bad_requests_name_the_problem():
+    with pytest.raises(ValueError, match="cannot quantize to 'int3'"):
+        quantize(torch.zeros(2, 32), "int3")
+    with pytest.raises(ValueError, match="group size"):
+        quantize(torch.zeros(2, 32), "int4", 48)
+    with pytest.raises(ValueError, match="only matrices"):
+        quantize(torch.zeros(32), "int8")
