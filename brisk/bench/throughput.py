@@ -15,6 +15,7 @@ import torch
 from brisk.bench.hf_baseline import hf_generate, load_hf_model
 from brisk.args import engine_config_from_args
 from brisk.llm import LLM
+from brisk.quant.modules import weight_footprint
 from brisk.sampling_params import SamplingParams
 
 
@@ -74,7 +75,7 @@ def hf_single_stream_decode(model, prompt: list[int], output_len: int, pad_token
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes of weights one decode step reads (a tied embedding is read once, as the LM head)."""
-    return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    return weight_footprint(llm.engine.model)[1]
 
 
 def main(args) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.model.tokenizer import Tokenizer
+from brisk.quant.modules import weight_footprint
 from brisk.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class ModelInfo:
     dtype: str
     device: str
     quantization: str | None  # how the file stores its weights, e.g. "Q4_1"; None for float files
+    runtime_quantization: str | None  # how they run: EngineConfig.quantization (None: dequantized to dtype)
     max_model_len: int
     vocab_size: int
     max_num_seqs: int
@@ -55,9 +57,10 @@ class ModelInfo:
         return cls(
             name=os.path.basename(engine.checkpoint.path.rstrip("/")).removesuffix(".gguf"),
             format=engine.checkpoint.format, architecture=spec.architecture,
-            parameters=sum(p.numel() for p in engine.model.parameters()),
+            parameters=weight_footprint(engine.model)[0],
             dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-            quantization=engine.checkpoint.quantization, max_model_len=engine.max_model_len,
+            quantization=engine.checkpoint.quantization, runtime_quantization=config.quantization,
+            max_model_len=engine.max_model_len,
             vocab_size=spec.vocab_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,

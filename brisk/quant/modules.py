@@ -103,6 +103,19 @@ def set_int8_activations(model: nn.Module) -> None:
             module._kernel_weight = None
 
 
+def weight_footprint(model: nn.Module) -> tuple[int, int]:
+    """(parameters, bytes) of a model's weights, quantized layers counted by the matrix they
+    stand for and the bytes they store."""
+    count = size = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            count += module.shape[0] * module.shape[1]
+            size += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+        for p in module.parameters(recurse=False):
+            count, size = count + p.numel(), size + p.numel() * p.element_size()
+    return count, size
+
+
 def install_quantized(model: nn.Module, param_name: str, weight: QuantizedTensor) -> None:
     """Puts a weight loaded already quantized (GGUF blocks) in place of the float parameter
     `param_name` ("...weight"), whose layer becomes the quantized kind."""

@@ -116,7 +116,10 @@ class ServiceAPI:
             "name": self.serving.model_name, "file": info.name, "format": info.format,
             "architecture": info.architecture, "parameters": info.parameters, "dtype": info.dtype,
             "device": info.device,
-            "quantization": info.quantization and f"{info.quantization} in the file, dequantized to {info.dtype}",
+            "quantization": info.quantization and f"{info.quantization} in the file, "
+                            + (f"run as {info.runtime_quantization}" if info.runtime_quantization
+                               else f"dequantized to {info.dtype}"),
+            "runtime_quantization": info.runtime_quantization,
             "max_model_len": info.max_model_len, "max_num_seqs": info.max_num_seqs,
             "max_num_batched_tokens": info.max_num_batched_tokens,
             "kv_block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks,

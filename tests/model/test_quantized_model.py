@@ -9,7 +9,7 @@ import torch
 
 from brisk import LLM, SamplingParams
 from brisk.kernels import cpu as cpu_kernels
-from brisk.quant.modules import QuantizedEmbedding, QuantizedLinear
+from brisk.quant.modules import QuantizedEmbedding, QuantizedLinear, weight_footprint
 from tests.helpers import brisk_logits
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
@@ -32,7 +32,8 @@ def test_gguf_keeps_the_files_blocks(gguf_llm):
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and qkv.format == "q4_1"
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.format == "q8_0"
-    weight_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    parameters, weight_bytes = weight_footprint(model)
+    assert parameters == 134_515_008  # as the fp32 model: every matrix counted by what it stands for
     assert weight_bytes < 110e6  # the file's 4- and 8-bit blocks, not 538 MB of fp32
 
 
