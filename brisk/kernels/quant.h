@@ -150,26 +150,10 @@ static inline void dequant_int4(const struct weight *w, int64_t j, int64_t b, fl
 static inline void dequant_nf4(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
     const uint8_t *q = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
     const float s = w->scales[j * groups_per_row(w) + b * QBLOCK / w->group];
-#ifdef __AVX2__
-    /* a 16-entry table lookup: two 8-lane permutes and a blend on the code's bit 3 */
-    const __m256 lo = _mm256_loadu_ps(NF4_VALUES), hi = _mm256_loadu_ps(NF4_VALUES + 8), scale = _mm256_set1_ps(s);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
-    const __m128i nibbles[2] = {_mm_and_si128(bytes, _mm_set1_epi8(0x0F)),
-                                _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F))};
-    for (int half = 0; half < 2; half++) {
-        for (int part = 0; part < 2; part++) {
-            const __m256i code = _mm256_cvtepu8_epi32(_mm_srli_si128(nibbles[half], 8 * part));
-            const __m256 value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code), _mm256_permutevar8x32_ps(hi, code),
-                                                  _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-            _mm256_storeu_ps(out + 16 * half + 8 * part, _mm256_mul_ps(value, scale));
-        }
-    }
-#else
     for (int t = 0; t < 16; t++) {
         out[t] = s * NF4_VALUES[q[t] & 0x0F];
         out[t + 16] = s * NF4_VALUES[q[t] >> 4];
     }
-#endif
 }
 
 static inline void dequant_q8_0(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
@@ -359,13 +343,27 @@ static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, __m25
 #endif
 
 /* Row j of the weight dequantized into out [cols] (the pad of the last block dropped). */
-#define DEFINE_QROW(NAME, DEQUANT)                                                                        \
+#ifdef __AVX2__
+/* A full block through the register reader the products use (codes, then d * code + m). */
+#define QROW_BLOCK(FMT, w, j, b, out)                                                                     \
+    do {                                                                                                  \
+        __m256 q_[4];                                                                                     \
+        float d_, m_;                                                                                     \
+        codes_##FMT(w, j, b, q_, &d_, &m_);                                                               \
+        for (int i_ = 0; i_ < 4; i_++)                                                                    \
+            _mm256_storeu_ps((out) + 8 * i_, _mm256_fmadd_ps(q_[i_], _mm256_set1_ps(d_), _mm256_set1_ps(m_))); \
+    } while (0)
+#else
+#define QROW_BLOCK(FMT, w, j, b, out) dequant_##FMT(w, j, b, out)
+#endif
+
+#define DEFINE_QROW(NAME, FMT)                                                                            \
     static inline void NAME(const struct weight *w, int64_t j, float *restrict out) {                     \
         const int64_t k = w->cols, full = k / QBLOCK, tail = k - full * QBLOCK;                           \
-        for (int64_t b = 0; b < full; b++) DEQUANT(w, j, b, out + b * QBLOCK);                            \
+        for (int64_t b = 0; b < full; b++) QROW_BLOCK(FMT, w, j, b, out + b * QBLOCK);                    \
         if (tail) {                                                                                       \
             float wb[QBLOCK];                                                                             \
-            DEQUANT(w, j, full, wb);                                                                      \
+            dequant_##FMT(w, j, full, wb);                                                                \
             memcpy(out + full * QBLOCK, wb, sizeof(float) * tail);                                        \
         }                                                                                                 \
     }
@@ -551,7 +549,7 @@ static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, 
     DEFINE_QDOT(qdot_##FMT##_4, FMT, HAS_MIN, 4, 8)                                                       \
     DEFINE_QDOT(qdot_##FMT##_2, FMT, HAS_MIN, 2, 16)                                                      \
     DEFINE_QDOT(qdot_##FMT##_1, FMT, HAS_MIN, 1, 32)                                                      \
-    DEFINE_QROW(qrow_##FMT, dequant_##FMT)                                                                \
+    DEFINE_QROW(qrow_##FMT, FMT)                                                                          \
                                                                                                           \
     /* y [m, rows] = x [m, cols] @ w^T for m <= 8 or so: the weight streamed once */                      \
     static inline void qmatvec_##FMT(const struct weight *w, const float *restrict x, float *restrict y,  \
