@@ -1,4 +1,4 @@
-"""The `brisk` command: generate, chat, serve, bench, eval.
+"""The `brisk` command: generate, chat, serve, quantize, bench, eval.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's, so every command accepts the same options with the same
@@ -8,12 +8,15 @@ names as `LLM(...)`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
 from brisk.config import ConfigError, EngineConfig, ServerConfig
 from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
+from brisk.quant.formats import GROUP_SIZES
+from brisk.quant.modules import LOAD_TIME_METHODS
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +84,28 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(build_app(engine, server_config), engine, server_config)
 
 
+def cmd_quantize(args: argparse.Namespace) -> None:
+    """Quantizes a checkpoint once, ahead of time, into a folder that loads in that format."""
+    import torch
+
+    from brisk.model.loader import load_model, open_checkpoint
+    from brisk.quant.checkpoint import QuantizedLayout, folder_bytes, write_folder
+    from brisk.quant.modules import weight_footprint
+
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        raise ConfigError(f"--out {args.out!r} is a folder that is not empty: choose a new one")
+    checkpoint = open_checkpoint(args.model)
+    layout = QuantizedLayout(args.to, args.group_size)
+    model = load_model(checkpoint, torch.float32, torch.device("cpu"), max_len=16, quantization=args.to,
+                       group_size=args.group_size)
+    write_folder(args.out, checkpoint.spec.hf_config(), layout, checkpoint.tokenizer, model.hf_weights())
+    params, _ = weight_footprint(model)
+    before, after = folder_bytes(checkpoint.path), folder_bytes(args.out)
+    stored = f", {checkpoint.quantization}" if checkpoint.quantization else ""
+    print(f"{checkpoint.path}: {before / 1e6:.1f} MB on disk{stored}; {params * 4 / 1e6:.1f} MB as float32")
+    print(f"{args.out}: {after / 1e6:.1f} MB ({layout}), {params * 4 / after:.2f}x smaller than float32")
+
+
 def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineClient:
     """The engine on a thread of this process, or in a process of its own (--engine-process)."""
     if server_config.engine_process:
@@ -113,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(serve, ServerConfig, "server options")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    quant = sub.add_parser("quantize", help="write a checkpoint in 8 or 4 bits that loads directly")
+    quant.add_argument("model", nargs="?", default=None,
+                       help="Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)")
+    quant.add_argument("--to", required=True, choices=LOAD_TIME_METHODS, help="the format of the linear layers")
+    quant.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES, help="columns per scale (int4, nf4)")
+    quant.add_argument("--out", required=True, help="folder to write (must be new or empty)")
+    quant.set_defaults(func=cmd_quantize)
 
     from brisk.bench.cli import add_bench_parser, add_eval_parser
 

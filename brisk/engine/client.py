@@ -38,7 +38,7 @@ class ModelInfo:
     dtype: str
     device: str
     quantization: str | None  # how the file stores its weights, e.g. "Q4_1"; None for float files
-    runtime_quantization: str | None  # how they run: EngineConfig.quantization (None: dequantized to dtype)
+    runtime_quantization: str | None  # how they run: EngineConfig.quantization or a quantized folder's format
     max_model_len: int
     vocab_size: int
     max_num_seqs: int
@@ -59,7 +59,7 @@ class ModelInfo:
             format=engine.checkpoint.format, architecture=spec.architecture,
             parameters=weight_footprint(engine.model)[0],
             dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-            quantization=engine.checkpoint.quantization, runtime_quantization=config.quantization,
+            quantization=engine.checkpoint.quantization, runtime_quantization=config.quantization or (engine.checkpoint.layout and engine.checkpoint.layout.method),
             max_model_len=engine.max_model_len,
             vocab_size=spec.vocab_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,

@@ -12,7 +12,7 @@ through `load_weights`.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,7 @@ _FUSED_SHARDS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+_SHARDS_OF = {fused: [hf for hf, (f, _) in _FUSED_SHARDS.items() if f == fused] for fused, _ in _FUSED_SHARDS.values()}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -227,6 +228,27 @@ class LlamaForCausalLM(nn.Module):
             if rows_filled[target] != sum(t.shape[0] for _, t in shards):
                 raise ValueError(f"{target}: some shards are quantized and some are not")
             install_quantized(self, target, QuantizedTensor.cat([t for _, t in sorted(shards, key=lambda s: s[0])]))
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Our weights under their Hugging Face names, fused ones split back into their shards:
+        what load_weights reads, so a model written out this way loads back as it is."""
+        tensors: list[tuple[str, torch.Tensor | QuantizedTensor]] = list(self.named_parameters())
+        for name, module in self.named_modules():
+            if isinstance(module, QuantizedWeight):
+                tensors.append((f"{name}.weight", module.qweight))
+                if module.bias is not None:
+                    tensors.append((f"{name}.bias", module.bias))
+        for name, tensor in tensors:
+            hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+            fused = next((part for part in name.split(".") if part in _SHARDS_OF), None)
+            if fused is None:
+                yield hf_name, tensor
+                continue
+            for shard, part in enumerate(_SHARDS_OF[fused]):
+                start, count = self._shard_rows(fused, shard)
+                rows = torch.arange(start, start + count)
+                yield (hf_name.replace(fused, part),
+                       tensor.rows(rows) if isinstance(tensor, QuantizedTensor) else tensor[start:start + count])
 
     def _locate(self, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
         """HF name -> (our parameter name, (first row, row count) inside it or None for all of it)."""

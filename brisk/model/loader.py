@@ -15,12 +15,12 @@ from typing import Callable, Iterator
 
 import tokenizers
 import torch
-from safetensors import safe_open
 
 from brisk.model.gguf_file import GGUFCheckpoint
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.spec import ModelSpec
 from brisk.model.tokenizer import Tokenizer
+from brisk.quant.checkpoint import QuantizedLayout, load_weights
 from brisk.quant.formats import QuantizedTensor
 from brisk.quant.modules import quantize_model, set_int8_activations
 
@@ -47,6 +47,7 @@ class Checkpoint:
     # (dtype, device, keep_blocks) -> HF-named weights; keep_blocks: GGUF blocks stay quantized
     weights: Callable[[torch.dtype, torch.device, bool], Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]
     quantization: str | None = None  # how the file stores weights, e.g. "Q4_1"
+    layout: QuantizedLayout | None = None  # a `brisk quantize` folder: the format its layers run in
 
 
 def open_checkpoint(path: str | None) -> Checkpoint:
@@ -71,13 +72,16 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
         quantization, int8_activations = "int8", True
     if quantization == "gguf" and checkpoint.format != "gguf":
         raise ValueError("quantization 'gguf' runs a GGUF file's own blocks: the model is not a GGUF file")
+    if checkpoint.layout is not None and quantization not in (None, checkpoint.layout.method):
+        raise ValueError(f"the checkpoint is stored in {checkpoint.layout.method} (written by `brisk quantize`); "
+                         f"it cannot be converted to {quantization}: quantize the float checkpoint instead")
     with torch.device("meta"):
         model = LlamaForCausalLM(checkpoint.spec, max_len)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)
     with torch.no_grad():
         model.load_weights(checkpoint.weights(dtype, device, quantization == "gguf"))
-        if quantization not in (None, "gguf"):
+        if quantization not in (None, "gguf") and checkpoint.layout is None:
             quantize_model(model, quantization, group_size)
         if int8_activations:
             set_int8_activations(model)
@@ -97,14 +101,12 @@ def _open_hf_folder(folder: str) -> Checkpoint:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
 
     def weights(dtype: torch.dtype, device: torch.device, keep_blocks: bool = False
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-        for file in files:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name).to(dtype)
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        return load_weights(files, dtype, device)
 
-    return Checkpoint(folder, "hf", spec, _hf_tokenizer(folder, config), weights,
-                      quantization=None)
+    layout = QuantizedLayout.of(config)
+    return Checkpoint(folder, "hf", spec, _hf_tokenizer(folder, config), weights, layout=layout,
+                      quantization=layout and str(layout))
 
 
 def _hf_tokenizer(folder: str, config: dict) -> Tokenizer:

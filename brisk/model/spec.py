@@ -105,6 +105,30 @@ class ModelSpec:
         )
 
 
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json that from_hf_config reads back as this spec (a `brisk quantize`
+        output needs one whatever the source was, GGUF included)."""
+        arch = next(a for a in ARCHITECTURES if a.family == self.architecture)
+        return {
+            "architectures": [arch.hf_classes[0]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "_name_or_path": self.name,
+        }
+
+
 def _freeze(rope_scaling: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
     if not rope_scaling:
         return None

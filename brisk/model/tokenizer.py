@@ -7,6 +7,7 @@ and globals), so a prompt built here tokenizes to the ids the model was trained 
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from functools import cached_property
 from typing import Any
@@ -68,6 +69,18 @@ class Tokenizer:
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """The template writes any BOS itself, so no special tokens are added on top (as in HF)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def save(self, folder: str) -> None:
+        """Writes the files a Hugging Face folder's tokenizer is read from (tokenizer.json,
+        tokenizer_config.json, generation_config.json), so a folder brisk writes loads anywhere
+        a fast tokenizer does, this tokenizer's chat template and stop tokens included."""
+        self.backend.save(os.path.join(folder, "tokenizer.json"))
+        config = {**self.special_tokens, "chat_template": self.chat_template,
+                  "tokenizer_class": "PreTrainedTokenizerFast"}
+        for name, content in (("tokenizer_config.json", config),
+                              ("generation_config.json", {"eos_token_id": self.eos_token_ids})):
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(content, f, indent=2)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.backend, skip_special_tokens)
