@@ -21,12 +21,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], t
     hints = typing.get_type_hints(config_cls)
     for f in knobs(config_cls):
         flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"].replace("%", "%%")  # argparse formats help strings with %
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not MISSING else None
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=default, help=f.metadata["help"])
+            group.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

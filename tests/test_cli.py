@@ -52,3 +52,17 @@ def test_bad_options_exit_with_a_clear_error():
     assert result.returncode == 2 and "--stride must be in 1..511" in result.stderr
     result = _brisk("eval", "perplexity", "--text", "/no/such/book.txt")
     assert result.returncode == 2 and "no text at /no/such/book.txt" in result.stderr
+
+
+def test_every_command_prints_its_help():
+    """Help strings go through argparse's %-formatting: one stray % broke every command's --help."""
+    from brisk.cli import build_parser
+
+    parser = build_parser()
+    commands = [[name] for name in ("generate", "chat", "serve", "quantize")]
+    commands += [["bench", kind] for kind in ("throughput", "prefix", "fairness", "sampling", "step", "quant")]
+    commands += [["eval", "perplexity"]]
+    for command in commands:
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*command, "--help"])
+        assert exited.value.code == 0, command

@@ -66,6 +66,22 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(st)
     st.set_defaults(func=_main_of("brisk.bench.step"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    qb = kinds.add_parser("quant", help="weight formats and KV cache kinds side by side, and llama.cpp")
+    qb.add_argument("--configs", nargs="+", default=None,
+                    help="configurations to run, in order, the first the baseline (names: brisk/bench/quant.py's "
+                         "CONFIGS, e.g. float32 int8 int4 gguf kv-int8); default: all")
+    qb.add_argument("--decode-len", type=int, default=128, help="tokens of the single-stream run")
+    qb.add_argument("--repeats", type=int, default=2, help="single-stream runs per configuration; the best counts")
+    qb.add_argument("--num-prompts", type=int, default=64, help="prompts of the offline run (0: skip it)")
+    qb.add_argument("--min-prompt-len", type=int, default=20)
+    qb.add_argument("--max-prompt-len", type=int, default=500)
+    qb.add_argument("--output-len", type=int, default=128)
+    qb.add_argument("--perplexity-tokens", type=int, default=8192, help="tokens of text scored (0: skip)")
+    qb.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row")
+    add_engine_arguments(qb)
+    qb.set_defaults(func=_main_of("brisk.bench.quant"), dtype="float32", max_num_batched_tokens=1024,
+                    kv_cache_memory_gib=2.0)
+
     sv = kinds.add_parser("serve", help="brisk serve (in-thread and engine-process) vs offline, same prompts")
     sv.add_argument("--num-prompts", type=int, default=32, help="short chat prompts, all streamed at once")
     sv.add_argument("--output-len", type=int, default=64)

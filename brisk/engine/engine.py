@@ -15,6 +15,7 @@ import torch
 
 from brisk.config import ConfigError, EngineConfig
 from brisk.engine.kv_cache import KVCacheManager
+from brisk.quant.kv_cache import kv_bytes_per_token
 from brisk.engine.output import OutputProcessor, RequestOutput
 from brisk.engine.request import Request, RequestStatus, validate_request
 from brisk.engine.runner import ModelRunner, RunnerOutput
@@ -42,7 +43,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context)
-        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
@@ -53,7 +54,9 @@ class LLMEngine:
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
         else:
-            bytes_per_block = self.spec.kv_bytes_per_token * c.block_size * self.dtype.itemsize
+            s = self.spec
+            bytes_per_token = kv_bytes_per_token(c.kv_cache_kind, s.num_layers, s.num_kv_heads, s.head_dim)
+            bytes_per_block = bytes_per_token * c.block_size
             num_blocks = int(c.kv_cache_memory_gib * 2**30 // bytes_per_block)
         if num_blocks * c.block_size < self.max_model_len:
             raise ConfigError(

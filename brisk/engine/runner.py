@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from brisk.engine.kv_cache import KVCacheManager
+from brisk.quant.kv_cache import KVCacheLayer
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.attention import AttentionMetadata, PrefillSpan
@@ -47,18 +48,16 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, kv_cache_dtype: str, device: torch.device):
         spec = model.spec
         self.model = model
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
         self.vocab_size = spec.vocab_size
-        # Per layer (K, V); see model/attention.py for why K is stored transposed within a block.
-        k_shape = (kv.num_blocks, spec.num_kv_heads, spec.head_dim, kv.block_size)
-        v_shape = (kv.num_blocks, spec.num_kv_heads, kv.block_size, spec.head_dim)
-        self.kv_caches = [(torch.zeros(k_shape, dtype=dtype, device=device),
-                           torch.zeros(v_shape, dtype=dtype, device=device)) for _ in range(spec.num_layers)]
+        # One per layer, in the storage kind of quant/kv_cache.py; see model/attention.py for the layout.
+        self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks, spec.num_kv_heads, kv.block_size,
+                                                spec.head_dim, device) for _ in range(spec.num_layers)]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

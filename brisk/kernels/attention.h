@@ -13,8 +13,9 @@
  * With keys transposed, a query is scored against a whole block as 16 lanes of FMAs per
  * dimension, with no horizontal sums; values are accumulated along dim. Both vectorize.
  *                       block_tables [seqs, max_blocks], context_lens [seqs]
- * Queries and outputs are XT, the cache CT (float32 or bfloat16 stored as uint16; computed in
- * float32). Both bodies here are orphaned `omp for` loops (see matvec.h): paged_attention.c wraps
+ * Queries and outputs are XT, the cache one of dtypes.h's kinds, CT (computed in float32). A
+ * scaled kind (SCALED = 1: int8) has k_scales and v_scales [blocks, kv_heads, block_size], one per
+ * token and head: a key's scale multiplies its score, a value's its softmax weight. Both bodies here are orphaned `omp for` loops (see matvec.h): paged_attention.c wraps
  * each in its own parallel region, decode_layers.c runs them inside the step's one region.
  * BLOCK_SIZE and HEAD_DIM are compile-time constants: the files that include this are built per
  * model shape.
@@ -29,9 +30,11 @@
 
 #include "dtypes.h"
 
-#define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C)                                  \
+#define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
     static inline void decode_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,        \
                                                  const CT *restrict v_cache,                              \
+                                                 const float *restrict k_scales,                          \
+                                                 const float *restrict v_scales,                          \
                                                  const int64_t *restrict block_tables,                    \
                                                  const int64_t *restrict context_lens, XT *restrict out,  \
                                                  int64_t num_seqs, int64_t num_heads,                     \
@@ -60,7 +63,9 @@
                             _Pragma("omp simd")                                                           \
                             for (int64_t t = 0; t < BLOCK_SIZE; t++) row[t] += qg[d] * LOAD_C(keys[d * BLOCK_SIZE + t]); \
                         }                                                                                 \
-                        for (int64_t t = 0; t < BLOCK_SIZE; t++) scores[g * padded + b * BLOCK_SIZE + t] = row[t]; \
+                        const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                        for (int64_t t = 0; t < BLOCK_SIZE; t++)                                          \
+                            scores[g * padded + b * BLOCK_SIZE + t] = SCALED ? row[t] * ks[t] : row[t];   \
                     }                                                                                     \
                 }                                                                                         \
                 for (int64_t g = 0; g < group; g++) {                                                     \
@@ -80,8 +85,9 @@
                     for (int64_t b = 0; b < num_blocks; b++) {                                            \
                         const CT *values = v_cache + (table[b] * num_kv_heads + h) * block_elems;         \
                         const int64_t n = len - b * BLOCK_SIZE < BLOCK_SIZE ? len - b * BLOCK_SIZE : BLOCK_SIZE; \
+                        const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
                         for (int64_t t = 0; t < n; t++) {                                                 \
-                            const float pt = p[b * BLOCK_SIZE + t];                                       \
+                            const float pt = SCALED ? p[b * BLOCK_SIZE + t] * vs[t] : p[b * BLOCK_SIZE + t]; \
                             _Pragma("omp simd")                                                           \
                             for (int64_t d = 0; d < HEAD_DIM; d++) acc[d] += pt * LOAD_C(values[t * HEAD_DIM + d]); \
                         }                                                                                 \
@@ -105,16 +111,19 @@
  * Rotation is rotate-half ("neox") style with per-position tables cos and signed_sin
  * [max_len, HEAD_DIM] (float32; signed_sin carries rotate_half's sign, see model/llama.py):
  *     out[d] = x[d] * cos[d] + x[(d + HEAD_DIM / 2) % HEAD_DIM] * signed_sin[d]
- * q_norm / k_norm (Qwen3's per-head RMSNorm before the rotation) are applied when not NULL.
+ * q_norm / k_norm (Qwen3's per-head RMSNorm before the rotation, NT: the model's dtype) are
+ * applied when not NULL. Cache entries are written by STORE_HEAD (dtypes.h), with their scales
+ * for a scaled kind.
  */
-#define DEFINE_ROPE_WRITE_KV(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, STORE_C)                            \
+#define DEFINE_ROPE_WRITE_KV(SUFFIX, XT, LOAD_X, STORE_X, NT, LOAD_N, CT, STORE_HEAD, SCALED)             \
     static inline void rope_tokens_##SUFFIX(const XT *restrict qkv, const int64_t *restrict positions,    \
                                             const float *restrict cos_table,                              \
                                             const float *restrict sin_table, XT *restrict q_out,          \
                                             CT *restrict k_cache, CT *restrict v_cache,                   \
+                                            float *restrict k_scales, float *restrict v_scales,           \
                                             const int64_t *restrict slot_blocks,                          \
                                             const int64_t *restrict slot_offsets,                         \
-                                            const CT *restrict q_norm, const CT *restrict k_norm,         \
+                                            const NT *restrict q_norm, const NT *restrict k_norm,         \
                                             float eps, int64_t num_tokens, int64_t num_heads,             \
                                             int64_t num_kv_heads) {                                       \
         const int64_t stride = (num_heads + 2 * num_kv_heads) * HEAD_DIM, half = HEAD_DIM / 2;            \
@@ -124,28 +133,32 @@
             const XT *row = qkv + t * stride;                                                             \
             for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {                                      \
                 const int is_q = h < num_heads;                                                           \
-                const CT *norm = is_q ? q_norm : k_norm;                                                  \
+                const NT *norm = is_q ? q_norm : k_norm;                                                  \
                 float x[HEAD_DIM], y[HEAD_DIM];                                                           \
                 for (int64_t d = 0; d < HEAD_DIM; d++) x[d] = LOAD_X(row[h * HEAD_DIM + d]);              \
                 if (norm) {                                                                               \
                     double squares = 0.0;                                                                 \
                     for (int64_t d = 0; d < HEAD_DIM; d++) squares += (double)x[d] * x[d];                \
                     const float scale = 1.0f / sqrtf((float)(squares / HEAD_DIM) + eps);                  \
-                    for (int64_t d = 0; d < HEAD_DIM; d++) x[d] = x[d] * scale * LOAD_C(norm[d]);         \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) x[d] = x[d] * scale * LOAD_N(norm[d]);         \
                 }                                                                                         \
                 _Pragma("omp simd")                                                                       \
                 for (int64_t d = 0; d < HEAD_DIM; d++) y[d] = x[d] * c[d] + x[(d + half) % HEAD_DIM] * s[d]; \
                 if (is_q) {                                                                               \
                     for (int64_t d = 0; d < HEAD_DIM; d++) q_out[(t * num_heads + h) * HEAD_DIM + d] = STORE_X(y[d]); \
                 } else {                                                                                  \
-                    CT *keys = k_cache + (slot_blocks[t] * num_kv_heads + h - num_heads) * BLOCK_SIZE * HEAD_DIM; \
-                    for (int64_t d = 0; d < HEAD_DIM; d++) keys[d * BLOCK_SIZE + slot_offsets[t]] = STORE_C(y[d]); \
+                    const int64_t head_block = slot_blocks[t] * num_kv_heads + h - num_heads;             \
+                    const int64_t offset = slot_offsets[t];                                               \
+                    STORE_HEAD(k_cache + head_block * BLOCK_SIZE * HEAD_DIM + offset, BLOCK_SIZE, y, HEAD_DIM, \
+                               SCALED ? k_scales + head_block * BLOCK_SIZE + offset : NULL);              \
                 }                                                                                         \
             }                                                                                             \
             const XT *v = row + (num_heads + num_kv_heads) * HEAD_DIM;                                    \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
-                CT *values = v_cache + ((slot_blocks[t] * num_kv_heads + h) * BLOCK_SIZE + slot_offsets[t]) * HEAD_DIM; \
-                for (int64_t d = 0; d < HEAD_DIM; d++) values[d] = STORE_C(LOAD_X(v[h * HEAD_DIM + d]));  \
+                const int64_t entry = (slot_blocks[t] * num_kv_heads + h) * BLOCK_SIZE + slot_offsets[t]; \
+                float y[HEAD_DIM];                                                                        \
+                for (int64_t d = 0; d < HEAD_DIM; d++) y[d] = LOAD_X(v[h * HEAD_DIM + d]);                \
+                STORE_HEAD(v_cache + entry * HEAD_DIM, 1, y, HEAD_DIM, SCALED ? v_scales + entry : NULL); \
             }                                                                                             \
         }                                                                                                 \
     }

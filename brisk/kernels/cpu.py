@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from brisk.quant.formats import QuantizedTensor
+from brisk.quant.kv_cache import KVCacheLayer
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +36,21 @@ _HERE = Path(__file__).parent
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {  # argument types of each kernel; the dtype suffix picks the variant
-    "paged_decode_attention": [_PTR] * 6 + [_I64] * 4 + [ctypes.c_float],
-    "paged_prefill_attention": [_PTR] * 5 + [_I64] * 4 + [ctypes.c_float],
+_SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, then cache kind) pick the variant
+    "paged_decode_attention": [_PTR] * 8 + [_I64] * 4 + [ctypes.c_float],
+    "paged_prefill_attention": [_PTR] * 7 + [_I64] * 4 + [ctypes.c_float],
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
     "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
     "target_logprobs": [_PTR, _I64, _I64] + [_PTR] * 4,
     "rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "silu_mul": [_PTR] * 2 + [_I64] * 2,
-    "rope_write_kv": [_PTR] * 11 + [ctypes.c_float] + [_I64] * 3,
+    "rope_write_kv": [_PTR] * 13 + [ctypes.c_float] + [_I64] * 3,
     "decode_layers": [_PTR] * 4,
     "quant_linear": [_PTR] * 3 + [_I64],
 }
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_CACHE_SUFFIXES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "i8"}  # dtypes.h's kinds
 SMALL_BATCH_ROWS = 8  # up to this many rows linear_rows beats BLAS (measured crossover ~10-12)
 
 
@@ -81,7 +83,9 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march:
             return None
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
-        for symbol_name in (name, *(f"{name}_{suffix}" for suffix in _SUFFIXES.values())):
+        variants = [name, *(f"{name}_{x}" for x in _SUFFIXES.values()),
+                    *(f"{name}_{x}_{c}" for x in _SUFFIXES.values() for c in _CACHE_SUFFIXES.values())]
+        for symbol_name in variants:
             symbol = getattr(lib, symbol_name, None)
             if symbol is not None:
                 symbol.argtypes = argtypes
@@ -134,18 +138,28 @@ def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
 
 
-def _shaped_library(source_name: str, v_cache: torch.Tensor) -> ctypes.CDLL | None:
-    """A kernel library built for a cache's block size and head dim ([blocks, H_kv, bs, D])."""
-    return _library(source_name, (("BLOCK_SIZE", v_cache.shape[2]), ("HEAD_DIM", v_cache.shape[3])))
+def _shaped_library(source_name: str, cache: KVCacheLayer) -> ctypes.CDLL | None:
+    """A kernel library built for a cache's block size and head dim (v: [blocks, H_kv, bs, D])."""
+    return _library(source_name, (("BLOCK_SIZE", cache.v.shape[2]), ("HEAD_DIM", cache.v.shape[3])))
 
 
 def _on_cpu(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype in _SUFFIXES
 
 
-def available(v_cache: torch.Tensor) -> bool:
-    """Whether the attention kernels serve this cache's device, dtype and shape ([blocks, H_kv, bs, D])."""
-    return _on_cpu(v_cache) and _shaped_library("paged_attention.c", v_cache) is not None
+def _cache_kernel(library: ctypes.CDLL, name: str, dtype: torch.dtype, cache: KVCacheLayer):
+    """The variant of `name` for activations (or weights) in dtype and this cache's kind."""
+    return getattr(library, f"{name}_{_SUFFIXES[dtype]}_{_CACHE_SUFFIXES[cache.kind]}")
+
+
+def _cache_pointers(cache: KVCacheLayer) -> tuple[int, int, int | None, int | None]:
+    return cache.k.data_ptr(), cache.v.data_ptr(), _ptr(cache.k_scales), _ptr(cache.v_scales)
+
+
+def available(x: torch.Tensor, cache: KVCacheLayer) -> bool:
+    """Whether the attention kernels serve activations like x with this cache (device, kinds, shape)."""
+    return (_on_cpu(x) and cache.v.device.type == "cpu" and cache.kind in _CACHE_SUFFIXES
+            and _shaped_library("paged_attention.c", cache) is not None)
 
 
 def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -154,36 +168,36 @@ def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _library("linear.c") is not None)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """q [n, H_q, D] (contiguous), k_cache [blocks, H_kv, D, bs], v_cache [blocks, H_kv, bs, D] -> out [n, H_q, D]."""
+def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float, out: torch.Tensor) -> None:
+    """q [n, H_q, D] (contiguous), one query per sequence, over its blocks in the cache -> out [n, H_q, D]."""
     n, num_heads, _ = q.shape
-    getattr(_shaped_library("paged_attention.c", v_cache), f"paged_decode_attention_{_SUFFIXES[q.dtype]}")(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), n, num_heads, v_cache.shape[1], block_tables.shape[1], scale)
+    _cache_kernel(_shaped_library("paged_attention.c", cache), "paged_decode_attention", q.dtype, cache)(
+        q.data_ptr(), *_cache_pointers(cache), block_tables.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), n, num_heads, cache.v.shape[1], block_tables.shape[1], scale)
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      start: int, scale: float, out: torch.Tensor) -> None:
+def prefill_attention(q: torch.Tensor, cache: KVCacheLayer, block_table: torch.Tensor, start: int, scale: float,
+                      out: torch.Tensor) -> None:
     """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> out [L, H_q, D]."""
     num_queries, num_heads, _ = q.shape
-    getattr(_shaped_library("paged_attention.c", v_cache), f"paged_prefill_attention_{_SUFFIXES[q.dtype]}")(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), out.data_ptr(),
-        num_queries, start, num_heads, v_cache.shape[1], scale)
+    _cache_kernel(_shaped_library("paged_attention.c", cache), "paged_prefill_attention", q.dtype, cache)(
+        q.data_ptr(), *_cache_pointers(cache), block_table.data_ptr(), out.data_ptr(),
+        num_queries, start, num_heads, cache.v.shape[1], scale)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                  cache: KVCacheLayer, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
                   num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     """qkv [T, (H_q + 2 H_kv) * D] -> rotated q [T, H_q, D]; rotated k and v written to the cache slots.
     See attention.h for the layout and the rotation."""
-    num_tokens, head_dim = qkv.shape[0], v_cache.shape[3]
+    num_tokens, head_dim = qkv.shape[0], cache.v.shape[3]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    getattr(_shaped_library("paged_attention.c", v_cache), f"rope_write_kv_{_SUFFIXES[qkv.dtype]}")(
+    _cache_kernel(_shaped_library("paged_attention.c", cache), "rope_write_kv", qkv.dtype, cache)(
         qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), q.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+        *_cache_pointers(cache), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
         None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
-        num_tokens, num_heads, v_cache.shape[1])
+        num_tokens, num_heads, cache.v.shape[1])
     return q
 
 
@@ -267,7 +281,7 @@ class _Weight(ctypes.Structure):  # struct weight, quant.h
 class _Layer(ctypes.Structure):  # struct decode_layer
     _fields_ = [("input_norm", _PTR), ("post_attention_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
                 ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
-                ("k_cache", _PTR), ("v_cache", _PTR)]
+                ("k_cache", _PTR), ("v_cache", _PTR), ("k_scales", _PTR), ("v_scales", _PTR)]
 
 
 class _Model(ctypes.Structure):  # struct decode_model
@@ -357,9 +371,11 @@ class DecodeLayerWeights:
     k_norm: torch.Tensor | None = None
 
 
-def decode_layers_available(v_cache: torch.Tensor) -> bool:
-    """Whether the fused decode step (decode_layers.c) serves a model with this cache."""
-    return _on_cpu(v_cache) and _shaped_library("decode_layers.c", v_cache) is not None
+def decode_layers_available(weight: torch.Tensor, cache: KVCacheLayer) -> bool:
+    """Whether the fused decode step (decode_layers.c) serves a model whose weights are like
+    `weight` (a norm's: the model's dtype) with this cache."""
+    return (_on_cpu(weight) and cache.v.device.type == "cpu" and cache.kind in _CACHE_SUFFIXES
+            and _shaped_library("decode_layers.c", cache) is not None)
 
 
 
@@ -391,12 +407,12 @@ class DecodeLayers:
         self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads,
                              layers[0].down.cols, eps, head_dim ** -0.5, final_norm.data_ptr(),
                              cos.data_ptr(), signed_sin.data_ptr(), self._layers)
-        self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kv_caches: list[KVCacheLayer] | None = None
         self._kernel = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
                  slot_offsets: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], timings: torch.Tensor | None = None
+                 kv_caches: list[KVCacheLayer], timings: torch.Tensor | None = None
                  ) -> torch.Tensor:
         """x [seqs, hidden] float32 embeddings of this step's tokens (one per sequence) -> the final
         norm's output, in place. timings: an int64 [3] tensor to add (matmul, attention, other)
@@ -408,13 +424,13 @@ class DecodeLayers:
         self._kernel(ctypes.byref(self._model), ctypes.byref(batch), x.data_ptr(), _ptr(timings))
         return x
 
-    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _bind(self, kv_caches: list[KVCacheLayer]) -> None:
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self._layers)} layers")
-        if any(c.dtype != self._dtype or not c.is_contiguous() for pair in kv_caches for c in pair):
-            raise ValueError(f"the fused decode step needs contiguous {self._dtype} KV caches")
-        for layer, (k_cache, v_cache) in zip(self._layers, kv_caches):
-            layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        library = _shaped_library("decode_layers.c", kv_caches[0][1])
-        self._kernel = getattr(library, f"decode_layers_{_SUFFIXES[self._dtype]}")
+        if len({c.kind for c in kv_caches}) != 1 or not all(t.is_contiguous() for c in kv_caches for t in c.tensors()):
+            raise ValueError("the fused decode step needs contiguous KV caches of one kind")
+        for layer, layer_cache in zip(self._layers, kv_caches):
+            layer.k_cache, layer.v_cache, layer.k_scales, layer.v_scales = _cache_pointers(layer_cache)
+        library = _shaped_library("decode_layers.c", kv_caches[0])
+        self._kernel = _cache_kernel(library, "decode_layers", self._dtype, kv_caches[0])
         self._kv_caches = kv_caches

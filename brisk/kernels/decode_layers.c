@@ -19,7 +19,8 @@
  *
  * and last the final norm. The operations are the same bodies the standalone kernels run, so
  * the fused step and the layer-by-layer path compute the same thing. Activations are float32
- * scratch; weights and the KV cache are in the model's dtype (T). Each projection goes through
+ * scratch; dense weights and norms are in the model's dtype (T), the KV cache in any of dtypes.h's
+ * kinds (decode_layers_<model dtype>_<cache kind>). Each projection goes through
  * `project`, which dispatches on the weight's format: dense in the model's dtype (matvec.h) or
  * one of the low-bit formats (quant.h).
  *
@@ -43,7 +44,8 @@ struct decode_layer {
     const void *input_norm, *post_attention_norm;
     const void *q_norm, *k_norm; /* per-head norms (Qwen3), or NULL */
     struct weight qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* layouts in attention.h */
+    void *k_cache, *v_cache;   /* layouts in attention.h */
+    float *k_scales, *v_scales; /* a scaled cache kind's per token-head scales, else NULL */
 };
 
 struct decode_model {
@@ -76,23 +78,26 @@ static inline int64_t now_ns(void) {
         }                                                                                                 \
     } while (0)
 
-#define DEFINE_DECODE_LAYERS(SUFFIX, T, LOAD, STORE)                                                      \
-    DEFINE_MATVEC(matvec_##SUFFIX, float, load_f32, store_f32, T, LOAD)                                   \
-    DEFINE_LAYER_OPS(SUFFIX, float, load_f32, store_f32, T, LOAD)                                         \
-    DEFINE_DECODE_ATTENTION(SUFFIX, float, load_f32, store_f32, T, LOAD)                                  \
-    DEFINE_ROPE_WRITE_KV(SUFFIX, float, load_f32, store_f32, T, LOAD, STORE)                              \
+/* What depends on the model's dtype only: the dense product and the norms. */
+#define DEFINE_MODEL_OPS(WS, T, LOAD)                                                                     \
+    DEFINE_MATVEC(matvec_##WS, float, load_f32, store_f32, T, LOAD)                                       \
+    DEFINE_LAYER_OPS(WS, float, load_f32, store_f32, T, LOAD)                                             \
                                                                                                           \
     /* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias) */                                                  \
-    static void project_##SUFFIX(const struct weight *w, const float *x, float *y, int64_t m) {           \
+    static void project_##WS(const struct weight *w, const float *x, float *y, int64_t m) {               \
         if (w->format == WEIGHT_DENSE)                                                                    \
-            matvec_##SUFFIX(x, (const T *)w->data, (const T *)w->bias, y, m, w->rows, w->cols);           \
+            matvec_##WS(x, (const T *)w->data, (const T *)w->bias, y, m, w->rows, w->cols);               \
         else                                                                                              \
             qmatvec(w, x, y, m);                                                                          \
-    }                                                                                                     \
+    }
+
+#define DEFINE_DECODE_LAYERS(WS, T, LOAD, CS, CT, LOAD_C, STORE_HEAD, SCALED)                             \
+    DEFINE_DECODE_ATTENTION(WS##_##CS, float, load_f32, store_f32, CT, LOAD_C, SCALED)                    \
+    DEFINE_ROPE_WRITE_KV(WS##_##CS, float, load_f32, store_f32, T, LOAD, CT, STORE_HEAD, SCALED)          \
                                                                                                           \
     /* x [num_seqs, hidden]: this step's embeddings in, the final norm's output out. */                   \
-    void decode_layers_##SUFFIX(const struct decode_model *model, const struct decode_batch *batch,       \
-                                float *x, int64_t *timings) {                                             \
+    void decode_layers_##WS##_##CS(const struct decode_model *model, const struct decode_batch *batch,    \
+                                   float *x, int64_t *timings) {                                          \
         const int64_t m = batch->num_seqs, hidden = model->hidden, inter = model->intermediate;           \
         const int64_t q_size = model->num_heads * HEAD_DIM;                                               \
         const int64_t qkv_size = q_size + 2 * model->num_kv_heads * HEAD_DIM;                             \
@@ -106,32 +111,34 @@ static inline int64_t now_ns(void) {
             int64_t mark = timings ? now_ns() : 0;                                                        \
             for (int64_t l = 0; l < model->num_layers; l++) {                                             \
                 const struct decode_layer *layer = model->layers + l;                                     \
-                add_rms_norm_rows_##SUFFIX(x, residual, layer->input_norm, m, hidden, eps);               \
+                add_rms_norm_rows_##WS(x, residual, layer->input_norm, m, hidden, eps);               \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##SUFFIX(&layer->qkv, x, qkv, m);                                                 \
+                project_##WS(&layer->qkv, x, qkv, m);                                                 \
                 LAP(PHASE_MATMUL);                                                                        \
-                rope_tokens_##SUFFIX(qkv, batch->positions, model->cos_table, model->sin_table, q,        \
-                                     layer->k_cache, layer->v_cache, batch->slot_blocks,                  \
+                rope_tokens_##WS##_##CS(qkv, batch->positions, model->cos_table, model->sin_table, q,        \
+                                     layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales,    \
+                                     batch->slot_blocks,                                                  \
                                      batch->slot_offsets,                                                 \
                                      layer->q_norm, layer->k_norm, eps, m, model->num_heads,              \
                                      model->num_kv_heads);                                                \
                 LAP(PHASE_OTHER);                                                                         \
-                decode_attention_##SUFFIX(q, layer->k_cache, layer->v_cache, batch->block_tables,         \
+                decode_attention_##WS##_##CS(q, layer->k_cache, layer->v_cache, layer->k_scales,   \
+                                          layer->v_scales, batch->block_tables,                           \
                                           batch->context_lens, attended, m, model->num_heads,             \
                                           model->num_kv_heads, batch->max_blocks, model->scale);          \
                 LAP(PHASE_ATTENTION);                                                                     \
-                project_##SUFFIX(&layer->o, attended, x, m);                                              \
+                project_##WS(&layer->o, attended, x, m);                                              \
                 LAP(PHASE_MATMUL);                                                                        \
-                add_rms_norm_rows_##SUFFIX(x, residual, layer->post_attention_norm, m, hidden, eps);      \
+                add_rms_norm_rows_##WS(x, residual, layer->post_attention_norm, m, hidden, eps);      \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##SUFFIX(&layer->gate_up, x, gate_up, m);                                         \
+                project_##WS(&layer->gate_up, x, gate_up, m);                                         \
                 LAP(PHASE_MATMUL);                                                                        \
-                silu_mul_rows_##SUFFIX(gate_up, act, m, inter);                                           \
+                silu_mul_rows_##WS(gate_up, act, m, inter);                                           \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##SUFFIX(&layer->down, act, x, m);                                                \
+                project_##WS(&layer->down, act, x, m);                                                \
                 LAP(PHASE_MATMUL);                                                                        \
             }                                                                                             \
-            add_rms_norm_rows_##SUFFIX(x, residual, model->final_norm, m, hidden, eps);                   \
+            add_rms_norm_rows_##WS(x, residual, model->final_norm, m, hidden, eps);                   \
             LAP(PHASE_OTHER);                                                                             \
         }                                                                                                 \
         free(residual);                                                                                   \
@@ -142,5 +149,7 @@ static inline int64_t now_ns(void) {
         free(act);                                                                                        \
     }
 
-DEFINE_DECODE_LAYERS(f32, float, load_f32, store_f32)
-DEFINE_DECODE_LAYERS(bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_MODEL_OPS(f32, float, load_f32)
+DEFINE_MODEL_OPS(bf16, uint16_t, load_bf16)
+FOR_EACH_KV_KIND(DEFINE_DECODE_LAYERS, f32, float, load_f32)
+FOR_EACH_KV_KIND(DEFINE_DECODE_LAYERS, bf16, uint16_t, load_bf16)

@@ -1,10 +1,15 @@
 /* Element loads and stores shared by the kernels: every kernel computes in float32; bfloat16
- * tensors are read and written as uint16 bit patterns. */
+ * and float16 tensors are read and written as uint16 bit patterns. */
 #ifndef BRISK_DTYPES_H
 #define BRISK_DTYPES_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
@@ -22,5 +27,71 @@ static inline uint16_t store_bf16(float f) {
     u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
+
+static inline float load_f16(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0) return (sign ? -1.0f : 1.0f) * (float)man * 0x1p-24f; /* zero or subnormal */
+    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline uint16_t store_f16(float f) { /* round to nearest even, as torch's .half() */
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    const uint32_t ax = x & 0x7FFFFFFF;
+    if (ax > 0x7F800000) return sign | 0x7E00;                            /* NaN */
+    if (ax >= 0x477FF000) return sign | 0x7C00;                           /* rounds past 65504: inf */
+    if (ax < 0x38800000) return sign | (uint16_t)lrintf(fabsf(f) * 0x1p24f); /* half subnormal: steps of 2^-24 */
+    const uint32_t r = ax - (112u << 23);                                 /* rebias the exponent */
+    return sign | (uint16_t)((r + 0xFFF + ((r >> 13) & 1)) >> 13);
+#endif
+}
+
+static inline float load_i8(int8_t c) { return (float)c; }
+
+/*
+ * KV cache kinds. A cache entry is one token's head: HEAD_DIM values written at once (RoPE +
+ * cache write, attention.h) from floats y, element d at dst[d * stride] (keys are stored
+ * transposed, values not). Float kinds round each value; i8 stores codes round(y * (1 / s)) with
+ * one float scale s = max|y| * (1 / 127) per token and head, written to *scale: K and V in a quarter of
+ * fp32's bytes, and the attention loops fold s into the score (keys) or the probability
+ * (values), so a code is never turned back into a float in memory.
+ */
+#define DEFINE_STORE_HEAD(SUFFIX, CT, STORE)                                                              \
+    static inline void store_head_##SUFFIX(CT *restrict dst, int64_t stride, const float *restrict y,     \
+                                           int64_t n, float *restrict scale) {                            \
+        (void)scale;                                                                                      \
+        for (int64_t d = 0; d < n; d++) dst[d * stride] = STORE(y[d]);                                    \
+    }
+DEFINE_STORE_HEAD(f32, float, store_f32)
+DEFINE_STORE_HEAD(bf16, uint16_t, store_bf16)
+DEFINE_STORE_HEAD(f16, uint16_t, store_f16)
+
+static inline void store_head_i8(int8_t *restrict dst, int64_t stride, const float *restrict y, int64_t n,
+                                 float *restrict scale) {
+    float top = 0.0f;
+    for (int64_t d = 0; d < n; d++) top = fabsf(y[d]) > top ? fabsf(y[d]) : top;
+    const float s = top * (1.0f / 127.0f), inv = s > 0.0f ? 1.0f / s : 0.0f; /* products: as -ffast-math would */
+    *scale = s;
+    for (int64_t d = 0; d < n; d++) dst[d * stride] = (int8_t)nearbyintf(y[d] * inv);
+}
+
+/* M(..., suffix, element type, load, store_head, scaled) for every cache kind: scaled kinds keep a
+ * float scale per token and head beside the codes. */
+#define FOR_EACH_KV_KIND(M, ...)                                                                          \
+    M(__VA_ARGS__, f32, float, load_f32, store_head_f32, 0)                                               \
+    M(__VA_ARGS__, bf16, uint16_t, load_bf16, store_head_bf16, 0)                                         \
+    M(__VA_ARGS__, f16, uint16_t, load_f16, store_head_f16, 0)                                            \
+    M(__VA_ARGS__, i8, int8_t, load_i8, store_head_i8, 1)
 
 #endif

@@ -27,10 +27,13 @@
 #define QT 16
 #define ROWS 4
 
-#define DEFINE_PREFILL_ATTENTION(NAME, T, LOAD, STORE)                                                    \
-    void NAME(const T *restrict q, const T *restrict k_cache, const T *restrict v_cache,                  \
-              const int64_t *restrict block_table, T *restrict out, int64_t num_queries, int64_t start,   \
-              int64_t num_heads, int64_t num_kv_heads, float scale) {                                     \
+#define DEFINE_PREFILL_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                         \
+    void paged_prefill_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,               \
+                                          const CT *restrict v_cache, const float *restrict k_scales,     \
+                                          const float *restrict v_scales,                                 \
+                                          const int64_t *restrict block_table, XT *restrict out,          \
+                                          int64_t num_queries, int64_t start, int64_t num_heads,          \
+                                          int64_t num_kv_heads, float scale) {                            \
         const int64_t group = num_heads / num_kv_heads;                                                   \
         const int64_t block_elems = BLOCK_SIZE * HEAD_DIM;                                                \
         const int64_t num_tiles = (num_queries + QT - 1) / QT;                                            \
@@ -48,23 +51,27 @@
                 }                                                                                         \
                 for (int64_t r = 0; r < rows; r++)                                                        \
                     for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
-                        query[r][d] = LOAD(q[((first + r) * num_heads + head) * HEAD_DIM + d]) * scale;   \
+                        query[r][d] = LOAD_X(q[((first + r) * num_heads + head) * HEAD_DIM + d]) * scale;    \
                 const int64_t last_key = start + first + rows - 1; /* the tile's last row sees this far */ \
                 for (int64_t b = 0; b <= last_key / BLOCK_SIZE; b++) {                                    \
-                    const T *keys = k_cache + (block_table[b] * num_kv_heads + kv_head) * block_elems;    \
-                    const T *values = v_cache + (block_table[b] * num_kv_heads + kv_head) * block_elems;  \
+                    const int64_t head_block = block_table[b] * num_kv_heads + kv_head;                   \
+                    const CT *keys = k_cache + head_block * block_elems;                                  \
+                    const CT *values = v_cache + head_block * block_elems;                                \
+                    const float *ks = SCALED ? k_scales + head_block * BLOCK_SIZE : NULL;                 \
+                    const float *vs = SCALED ? v_scales + head_block * BLOCK_SIZE : NULL;                 \
                     for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                         \
                         float sb[ROWS][BLOCK_SIZE] = {{0}};                                               \
                         for (int64_t d = 0; d < HEAD_DIM; d++) {                                          \
-                            const T *kd = keys + d * BLOCK_SIZE;                                          \
+                            const CT *kd = keys + d * BLOCK_SIZE;                                         \
                             for (int64_t rr = 0; rr < ROWS; rr++) {                                       \
                                 const float qd = query[r0 + rr][d];                                       \
                                 _Pragma("omp simd")                                                       \
-                                for (int64_t t = 0; t < BLOCK_SIZE; t++) sb[rr][t] += qd * LOAD(kd[t]);   \
+                                for (int64_t t = 0; t < BLOCK_SIZE; t++) sb[rr][t] += qd * LOAD_C(kd[t]); \
                             }                                                                             \
                         }                                                                                 \
                         for (int64_t rr = 0; rr < ROWS; rr++)                                             \
-                            for (int64_t t = 0; t < BLOCK_SIZE; t++) s[r0 + rr][t] = sb[rr][t];           \
+                            for (int64_t t = 0; t < BLOCK_SIZE; t++)                                      \
+                                s[r0 + rr][t] = SCALED ? sb[rr][t] * ks[t] : sb[rr][t];                   \
                     }                                                                                     \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         const int64_t visible = start + first + r - b * BLOCK_SIZE + 1;                   \
@@ -85,9 +92,10 @@
                         _Pragma("omp simd")                                                               \
                         for (int64_t d = 0; d < HEAD_DIM; d++) a[d] = acc[r][d] * correction;             \
                         for (int64_t t = 0; t < n; t++) {                                                 \
-                            const T *vt = values + t * HEAD_DIM;                                          \
+                            const CT *vt = values + t * HEAD_DIM;                                         \
+                            const float pt = SCALED ? p[t] * vs[t] : p[t];                                \
                             _Pragma("omp simd")                                                           \
-                            for (int64_t d = 0; d < HEAD_DIM; d++) a[d] += p[t] * LOAD(vt[d]);            \
+                            for (int64_t d = 0; d < HEAD_DIM; d++) a[d] += pt * LOAD_C(vt[d]);            \
                         }                                                                                 \
                         for (int64_t d = 0; d < HEAD_DIM; d++) acc[r][d] = a[d];                          \
                     }                                                                                     \
@@ -95,35 +103,37 @@
                 for (int64_t r = 0; r < rows; r++) {                                                      \
                     const float inv = 1.0f / l[r];                                                        \
                     for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
-                        out[((first + r) * num_heads + head) * HEAD_DIM + d] = STORE(acc[r][d] * inv);    \
+                        out[((first + r) * num_heads + head) * HEAD_DIM + d] = STORE_X(acc[r][d] * inv);  \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
     }
 
-DEFINE_PREFILL_ATTENTION(paged_prefill_attention_f32, float, load_f32, store_f32)
-DEFINE_PREFILL_ATTENTION(paged_prefill_attention_bf16, uint16_t, load_bf16, store_bf16)
-
-#define DEFINE_DECODE_KERNELS(SUFFIX, T, LOAD, STORE)                                                     \
-    DEFINE_DECODE_ATTENTION(SUFFIX, T, LOAD, STORE, T, LOAD)                                              \
-    DEFINE_ROPE_WRITE_KV(SUFFIX, T, LOAD, STORE, T, LOAD, STORE)                                          \
-    void paged_decode_attention_##SUFFIX(const T *q, const T *k_cache, const T *v_cache,                  \
-                                         const int64_t *block_tables, const int64_t *context_lens, T *out, \
-                                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,       \
-                                         int64_t max_blocks, float scale) {                               \
+/* Queries in the model's dtype (XS), the cache in any kind (CS): paged_*_attention_XS_CS. */
+#define DEFINE_ATTENTION_KERNELS(XS, XT, LOAD_X, STORE_X, CS, CT, LOAD_C, STORE_HEAD, SCALED)               \
+    DEFINE_PREFILL_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
+    DEFINE_DECODE_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                           \
+    DEFINE_ROPE_WRITE_KV(XS##_##CS, XT, LOAD_X, STORE_X, XT, LOAD_X, CT, STORE_HEAD, SCALED)               \
+    void paged_decode_attention_##XS##_##CS(const XT *q, const CT *k_cache, const CT *v_cache,            \
+                                            const float *k_scales, const float *v_scales,                 \
+                                            const int64_t *block_tables, const int64_t *context_lens,     \
+                                            XT *out, int64_t num_seqs, int64_t num_heads,                 \
+                                            int64_t num_kv_heads, int64_t max_blocks, float scale) {      \
         _Pragma("omp parallel")                                                                           \
-        decode_attention_##SUFFIX(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_heads, \
-                                  num_kv_heads, max_blocks, scale);                                       \
+        decode_attention_##XS##_##CS(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, \
+                                     out, num_seqs, num_heads, num_kv_heads, max_blocks, scale);          \
     }                                                                                                     \
-    void rope_write_kv_##SUFFIX(const T *qkv, const int64_t *positions, const float *cos_table,           \
-                                const float *sin_table, T *q_out, T *k_cache, T *v_cache,                 \
-                                const int64_t *slot_blocks, const int64_t *slot_offsets, const T *q_norm, \
-                                const T *k_norm, float eps, int64_t num_tokens, int64_t num_heads,        \
-                                int64_t num_kv_heads) {                                                   \
+    void rope_write_kv_##XS##_##CS(const XT *qkv, const int64_t *positions, const float *cos_table,       \
+                                   const float *sin_table, XT *q_out, CT *k_cache, CT *v_cache,           \
+                                   float *k_scales, float *v_scales, const int64_t *slot_blocks,          \
+                                   const int64_t *slot_offsets, const XT *q_norm, const XT *k_norm,       \
+                                   float eps, int64_t num_tokens, int64_t num_heads,                      \
+                                   int64_t num_kv_heads) {                                                \
         _Pragma("omp parallel if(num_tokens >= 16)")                                                      \
-        rope_tokens_##SUFFIX(qkv, positions, cos_table, sin_table, q_out, k_cache, v_cache, slot_blocks,  \
-                             slot_offsets, q_norm, k_norm, eps, num_tokens, num_heads, num_kv_heads);     \
+        rope_tokens_##XS##_##CS(qkv, positions, cos_table, sin_table, q_out, k_cache, v_cache, k_scales,  \
+                                v_scales, slot_blocks, slot_offsets, q_norm, k_norm, eps, num_tokens,     \
+                                num_heads, num_kv_heads);                                                 \
     }
 
-DEFINE_DECODE_KERNELS(f32, float, load_f32, store_f32)
-DEFINE_DECODE_KERNELS(bf16, uint16_t, load_bf16, store_bf16)
+FOR_EACH_KV_KIND(DEFINE_ATTENTION_KERNELS, f32, float, load_f32, store_f32)
+FOR_EACH_KV_KIND(DEFINE_ATTENTION_KERNELS, bf16, uint16_t, load_bf16, store_bf16)

@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtypes.h"
+
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -66,26 +68,13 @@ struct weight {
 #define QPANEL 4 /* weight rows per dequantized panel in qmatmul */
 #define QTILE 3  /* activation rows per tile of the panel product: QTILE x QPANEL accumulators */
 
-static inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    if (exp == 0) return (sign ? -1.0f : 1.0f) * (float)man * 0x1p-24f; /* zero or subnormal */
-    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
 /* 16 fp16 bit patterns -> floats. */
 static inline void halves_to_floats(const uint16_t *restrict h, float *restrict out) {
 #ifdef __F16C__
     _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
     _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
 #else
-    for (int t = 0; t < 16; t++) out[t] = half_to_float(h[t]);
+    for (int t = 0; t < 16; t++) out[t] = load_f16(h[t]);
 #endif
 }
 
@@ -160,7 +149,7 @@ static inline void dequant_q8_0(const struct weight *w, int64_t j, int64_t b, fl
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
     uint16_t d;
     memcpy(&d, block, 2);
-    const float s = half_to_float(d);
+    const float s = load_f16(d);
     const int8_t *q = (const int8_t *)(block + 2);
     _Pragma("omp simd")
     for (int t = 0; t < QBLOCK; t++) out[t] = s * (float)q[t];
@@ -170,7 +159,7 @@ static inline void dequant_q4_0(const struct weight *w, int64_t j, int64_t b, fl
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 18;
     uint16_t d;
     memcpy(&d, block, 2);
-    const float s = half_to_float(d);
+    const float s = load_f16(d);
     unpack_nibbles(block + 2, s, -8.0f * s, out);
 }
 
@@ -178,7 +167,7 @@ static inline void dequant_q4_1(const struct weight *w, int64_t j, int64_t b, fl
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 20;
     uint16_t dm[2];
     memcpy(dm, block, 4);
-    unpack_nibbles(block + 4, half_to_float(dm[0]), half_to_float(dm[1]), out);
+    unpack_nibbles(block + 4, load_f16(dm[0]), load_f16(dm[1]), out);
 }
 
 /* ---- products ------------------------------------------------------------------------------ */
@@ -277,7 +266,7 @@ static inline void codes_q4_0(const struct weight *w, int64_t j, int64_t b, __m2
     uint16_t h;
     memcpy(&h, block, 2);
     nibbles_ps(block + 2, q);
-    *d = half_to_float(h);
+    *d = load_f16(h);
     *m = -8.0f * *d;
 }
 
@@ -286,8 +275,8 @@ static inline void codes_q4_1(const struct weight *w, int64_t j, int64_t b, __m2
     uint16_t dm[2];
     memcpy(dm, block, 4);
     nibbles_ps(block + 4, q);
-    *d = half_to_float(dm[0]);
-    *m = half_to_float(dm[1]);
+    *d = load_f16(dm[0]);
+    *m = load_f16(dm[1]);
 }
 
 static inline void codes_int4(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
@@ -321,7 +310,7 @@ static inline void codes_q8_0(const struct weight *w, int64_t j, int64_t b, __m2
     uint16_t h;
     memcpy(&h, block, 2);
     for (int i = 0; i < 4; i++) q[i] = sbytes_to_ps((const int8_t *)block + 2 + 8 * i);
-    *d = half_to_float(h);
+    *d = load_f16(h);
     *m = 0.0f;
 }
 
@@ -458,7 +447,7 @@ static inline codes32 icodes_q8_0(const struct weight *w, int64_t j, int64_t b, 
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
     uint16_t h;
     memcpy(&h, block, 2);
-    *d = half_to_float(h);
+    *d = load_f16(h);
     *m = 0.0f;
     return load_codes(block + 2);
 }
@@ -467,7 +456,7 @@ static inline codes32 icodes_q4_0(const struct weight *w, int64_t j, int64_t b, 
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 18;
     uint16_t h;
     memcpy(&h, block, 2);
-    *d = half_to_float(h);
+    *d = load_f16(h);
     *m = -8.0f * *d;
     return unpack_codes(block + 2);
 }
@@ -476,8 +465,8 @@ static inline codes32 icodes_q4_1(const struct weight *w, int64_t j, int64_t b, 
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 20;
     uint16_t dm[2];
     memcpy(dm, block, 4);
-    *d = half_to_float(dm[0]);
-    *m = half_to_float(dm[1]);
+    *d = load_f16(dm[0]);
+    *m = load_f16(dm[1]);
     return unpack_codes(block + 4);
 }
 

@@ -1,9 +1,10 @@
 """Paged attention over a pool of fixed-size KV blocks.
 
-On CPU it runs in the C kernels of brisk/kernels (fp32 and bf16); elsewhere (GPUs, or with no
-C compiler) in the torch formulation below, which is also their reference in the tests.
+On CPU it runs in the C kernels of brisk/kernels (fp32 and bf16 queries, a cache in any of
+quant/kv_cache.py's kinds); elsewhere (GPUs, or with no C compiler) in the torch formulation
+below, which is also their reference in the tests.
 
-Cache layout, per layer::
+Cache layout, per layer (a KVCacheLayer; int8 adds a scale per token and head)::
 
     k_cache[block_id, kv_head, head_dim, offset_in_block]    shape [num_blocks, H_kv, D, B]
     v_cache[block_id, kv_head, offset_in_block, head_dim]    shape [num_blocks, H_kv, B, D]
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.quant.kv_cache import KVCacheLayer
 
 
 @dataclass
@@ -76,60 +78,56 @@ class AttentionMetadata:
         return self._decode_padding
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+def write_kv(cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    cache.write(k, v, meta.slot_blocks, meta.slot_offsets)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H_q, D] (contiguous) of this step's tokens, whose K/V are already in the cache -> [T, H_q, D]."""
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        _decode_attention(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        _decode_attention(q[:nd], cache, meta, scale, out[:nd])
     for span in meta.prefills:
-        _prefill_attention(q[span.start:span.end], k_cache, v_cache, span, scale, out[span.start:span.end])
+        _prefill_attention(q[span.start:span.end], cache, span, scale, out[span.start:span.end])
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor) -> None:
-    if cpu_kernels.available(v_cache):
-        cpu_kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                     scale, out)
+def _decode_attention(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
+                      out: torch.Tensor) -> None:
+    if cpu_kernels.available(q, cache):
+        cpu_kernels.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out)
     else:
-        out.copy_(_decode_attention_torch(q, k_cache, v_cache, meta, scale))
+        out.copy_(_decode_attention_torch(q, cache, meta, scale))
 
 
-def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention_torch(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata,
+                            scale: float) -> torch.Tensor:
     """One query per sequence, scored block by block against its padded block table."""
     n, h_q, d = q.shape
-    _, h_kv, bs, _ = v_cache.shape
+    _, h_kv, bs, _ = cache.v.shape
     group = h_q // h_kv
     tables = meta.decode_block_tables
     nb = tables.shape[1]
-    scores = torch.matmul(q.view(n, 1, h_kv, group, d), k_cache[tables])  # [n, nb, H_kv, G, bs]
+    scores = torch.matmul(q.view(n, 1, h_kv, group, d), cache.keys(tables, q.dtype))  # [n, nb, H_kv, G, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(n, h_kv, group, nb * bs)
     padding = meta.decode_padding(bs).view(n, 1, 1, -1)
     scores = scores.float().mul_(scale).masked_fill_(padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     probs = probs.view(n, h_kv, group, nb, bs).permute(0, 3, 1, 2, 4)  # [n, nb, H_kv, G, bs]
-    out = torch.matmul(probs, v_cache[tables]).sum(dim=1)  # [n, H_kv, G, D]
+    out = torch.matmul(probs, cache.values(tables, q.dtype)).sum(dim=1)  # [n, H_kv, G, D]
     return out.reshape(n, h_q, d)
 
 
-def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan,
-                       scale: float, out: torch.Tensor) -> None:
+def _prefill_attention(q: torch.Tensor, cache: KVCacheLayer, span: PrefillSpan, scale: float,
+                       out: torch.Tensor) -> None:
     """q [L, H_q, D]: the span's queries."""
-    if cpu_kernels.available(v_cache):
-        cpu_kernels.prefill_attention(q, k_cache, v_cache, span.block_table, span.first_position, scale, out)
+    if cpu_kernels.available(q, cache):
+        cpu_kernels.prefill_attention(q, cache, span.block_table, span.first_position, scale, out)
         return
     qs = q.transpose(0, 1)  # [H_q, L, D]
-    ks = _gather_context(k_cache[span.block_table].transpose(-1, -2), span)
-    vs = _gather_context(v_cache[span.block_table], span)
+    ks = _gather_context(cache.keys(span.block_table, q.dtype).transpose(-1, -2), span)
+    vs = _gather_context(cache.values(span.block_table, q.dtype), span)
     if span.first_position == 0:  # the chunk is the whole context: plain causal attention
         result = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
     else:  # continuing a cached context

@@ -24,6 +24,7 @@ from brisk.model.linear import Linear, linear
 from brisk.model.rope import Rope, RotaryEmbedding
 from brisk.model.spec import ModelSpec
 from brisk.quant.formats import QuantizedTensor
+from brisk.quant.kv_cache import KVCacheLayer
 from brisk.quant.modules import QuantizedWeight, install_quantized
 
 
@@ -69,19 +70,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         q = self._rotate_and_cache(self.qkv_proj(x), rope, kv_cache, meta)
-        out = paged_attention(q, *kv_cache, meta, self.scale)
+        out = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.view(x.shape[0], self.q_size))
 
-    def _rotate_and_cache(self, qkv: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def _rotate_and_cache(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer,
                           meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, q + 2 kv] -> rotated q [T, H, D]; this step's rotated K and V go into the cache."""
-        if cpu_kernels.available(kv_cache[1]):
+        if cpu_kernels.available(qkv, kv_cache):
             norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
                                                                    self.q_norm.eps)
-            return cpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, *kv_cache,
+            return cpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, kv_cache,
                                              meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        write_kv(*kv_cache, rope.apply(k), v.reshape(t, self.num_kv_heads, self.head_dim), meta)
+        write_kv(kv_cache, rope.apply(k), v.reshape(t, self.num_kv_heads, self.head_dim), meta)
         return rope.apply(q)
 
 
@@ -112,8 +112,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCacheLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's input, the residual stream before it) -> the same for the next layer.
         The first layer gets the embeddings as x and no residual."""
         if residual is None:
@@ -145,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self._decode_layers: cpu_kernels.DecodeLayers | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> torch.Tensor:
         """[T] token ids -> [T, hidden] final hidden states (logits are taken only where needed)."""
         x, residual = self.embed_tokens(input_ids), None
         if self._fused_decode_serves(meta, kv_caches):
@@ -163,13 +162,13 @@ class LlamaForCausalLM(nn.Module):
         self._decode_layers = None
         return super()._apply(fn, *args, **kwargs)
 
-    def _fused_decode_serves(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    def _fused_decode_serves(self, meta: AttentionMetadata, kv_caches: list[KVCacheLayer]) -> bool:
         """Small pure-decode steps on CPU run every layer in one C call (kernels/decode_layers.c):
         at batch 1, Python's ~160 us per layer of dispatch was more than the layer's own work
         outside the matmuls. Larger batches, where BLAS beats the matvec, and steps with prefill
         chunks run layer by layer."""
         return (0 < meta.num_decodes <= cpu_kernels.SMALL_BATCH_ROWS and not meta.prefills
-                and cpu_kernels.decode_layers_available(kv_caches[0][1]))
+                and cpu_kernels.decode_layers_available(self.norm.weight, kv_caches[0]))
 
     def _fused_decode(self) -> cpu_kernels.DecodeLayers:
         """The layers' weights as the fused kernel reads them; built on the first decode step,

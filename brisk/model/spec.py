@@ -70,11 +70,6 @@ class ModelSpec:
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Elements per token across all layers, K and V; multiply by the dtype's size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelSpec":
         arch = hf_architecture(config.get("architectures") or [])

@@ -38,7 +38,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture
 def runner(tiny_model) -> ModelRunner:
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=False)
-    return ModelRunner(tiny_model, kv, torch.float32, CPU)
+    return ModelRunner(tiny_model, kv, "float32", CPU)
 
 
 def _chunk(runner: ModelRunner, rid: str, prompt: list[int], computed: int, num_new: int, output=(),
@@ -116,7 +116,7 @@ def test_execute_samples_and_reports_logprobs_only_where_asked(runner):
 
 def test_prompt_logprobs_of_a_fresh_chunk_do_not_depend_on_the_rest_of_the_batch(runner, tiny_model):
     mixed = runner.execute(_mixed_step(runner)).prompt_logprobs["p2"]
-    alone_runner = ModelRunner(tiny_model, KVCacheManager(16, BLOCK_SIZE, False), torch.float32, CPU)
+    alone_runner = ModelRunner(tiny_model, KVCacheManager(16, BLOCK_SIZE, False), "float32", CPU)
     alone = alone_runner.execute(SchedulerOutput([_chunk(alone_runner, "p2", list(range(60, 67)), 0, 5,
                                                          prompt_logprobs=2)])).prompt_logprobs["p2"]
     assert [list(e) for e in mixed] == [list(e) for e in alone]

@@ -1,6 +1,6 @@
 """The C kernels against the torch formulation they replace: attention on random paged caches
-(odd lengths, block boundaries, GQA groups, continuing chunks), RoPE + the cache write, the
-fused norms and activation, the small-batch linear; fp32 and bf16."""
+(odd lengths, block boundaries, GQA groups, continuing chunks) in every cache kind, RoPE + the
+cache write, the fused norms and activation, the small-batch linear; fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -12,21 +12,31 @@ from brisk.kernels import cpu as cpu_kernels
 from brisk.model import attention
 from brisk.model.attention import AttentionMetadata, PrefillSpan, write_kv
 from brisk.model.rope import Rope
+from brisk.quant.kv_cache import KVCacheLayer
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.zeros(1, 1, 16, 64)), reason="no C compiler")
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(torch.zeros(1), KVCacheLayer.allocate("float32", 1, 1, 16, 64, CPU)),
+    reason="no C compiler")
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+KINDS = ["float32", "bfloat16", "float16", "int8"]
+# (query dtype, cache kind): every kind under fp32 queries, and bf16 queries over the caches a bf16 model would use.
+QUERY_AND_CACHE = [(torch.float32, kind) for kind in KINDS] + [(torch.bfloat16, "bfloat16"), (torch.bfloat16, "int8")]
 
 
-def _cache(num_blocks, kv_heads, block_size, dim, dtype):
+def _cache(kind, num_blocks, kv_heads, block_size, dim):
+    """A cache of this kind whose every slot holds random K and V, stored through the torch path."""
+    cache = KVCacheLayer.allocate(kind, num_blocks, kv_heads, block_size, dim, CPU)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(num_blocks, kv_heads, dim, block_size, generator=g).to(dtype)
-    v = torch.randn(num_blocks, kv_heads, block_size, dim, generator=g).to(dtype)
-    return k, v
+    n = num_blocks * block_size
+    blocks, offsets = torch.arange(num_blocks).repeat_interleave(block_size), torch.arange(block_size).repeat(num_blocks)
+    cache.write(torch.randn(n, kv_heads, dim, generator=g), torch.randn(n, kv_heads, dim, generator=g), blocks, offsets)
+    return cache
 
 
 def _torch_only(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "available", lambda cache: False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda x, cache: False)
 
 
 def _attend(fn, q, *args):
@@ -35,43 +45,47 @@ def _attend(fn, q, *args):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _tolerance(dtype, kind):
+    """fp32 queries over int8 keys sum q.code then scale (the kernel) or scale then sum (torch)."""
+    return TOLERANCE[dtype] * (10 if kind == "int8" and dtype == torch.float32 else 1)
+
+
+@pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("heads, kv_heads, block_size, dim", [(9, 3, 16, 64), (4, 4, 4, 32), (8, 2, 8, 16)])
-def test_decode_kernel_matches_torch(monkeypatch, dtype, heads, kv_heads, block_size, dim):
-    k_cache, v_cache = _cache(50, kv_heads, block_size, dim, dtype)
+def test_decode_kernel_matches_torch(monkeypatch, dtype, kind, heads, kv_heads, block_size, dim):
+    cache = _cache(kind, 50, kv_heads, block_size, dim)
     lengths = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 77], dtype=torch.long)
     width = int((lengths.max() + block_size - 1) // block_size)
     tables = torch.stack([torch.randperm(50, generator=torch.Generator().manual_seed(i))[:width] for i in range(5)])
     q = torch.randn(5, heads, dim).to(dtype)
     meta = AttentionMetadata(None, None, num_decodes=5, decode_block_tables=tables, decode_context_lens=lengths)
-    ours = _attend(attention._decode_attention, q, k_cache, v_cache, meta, dim ** -0.5)
+    ours = _attend(attention._decode_attention, q, cache, meta, dim ** -0.5)
     _torch_only(monkeypatch)
-    reference = _attend(attention._decode_attention, q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
-    assert (ours.float() - reference).abs().max().item() < TOLERANCE[dtype]
+    reference = _attend(attention._decode_attention, q.float(), cache, meta, dim ** -0.5)
+    assert (ours.float() - reference).abs().max().item() < _tolerance(dtype, kind)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("first_position, chunk", [(0, 1), (0, 37), (0, 100), (5, 1), (16, 16), (29, 50)])
-def test_prefill_kernel_matches_torch(monkeypatch, dtype, first_position, chunk):
+def test_prefill_kernel_matches_torch(monkeypatch, dtype, kind, first_position, chunk):
     heads, kv_heads, block_size, dim = 6, 2, 16, 64
-    k_cache, v_cache = _cache(40, kv_heads, block_size, dim, dtype)
+    cache = _cache(kind, 40, kv_heads, block_size, dim)
     context = first_position + chunk
     table = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:(context + block_size - 1) // block_size]
     positions = torch.arange(first_position, context)
     meta = AttentionMetadata(table[positions // block_size], positions % block_size)
-    write_kv(k_cache, v_cache, torch.randn(chunk, kv_heads, dim).to(dtype), torch.randn(chunk, kv_heads, dim).to(dtype),
-             meta)
+    write_kv(cache, torch.randn(chunk, kv_heads, dim).to(dtype), torch.randn(chunk, kv_heads, dim).to(dtype), meta)
     q = torch.randn(chunk, heads, dim).to(dtype)
     span = PrefillSpan(0, chunk, context, table)
-    ours = _attend(attention._prefill_attention, q, k_cache, v_cache, span, 0.125)
+    ours = _attend(attention._prefill_attention, q, cache, span, 0.125)
     _torch_only(monkeypatch)
-    reference = _attend(attention._prefill_attention, q.float(), k_cache.float(), v_cache.float(), span, 0.125)
-    assert (ours.float() - reference).abs().max().item() < TOLERANCE[dtype]
+    reference = _attend(attention._prefill_attention, q.float(), cache, span, 0.125)
+    assert (ours.float() - reference).abs().max().item() < _tolerance(dtype, kind)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_write_kv_matches_torch(dtype, qk_norm):
+def test_rope_write_kv_matches_torch(dtype, kind, qk_norm):
     """Rotated q out, rotated k and plain v in their cache slots, tokens spread over blocks."""
     heads, kv_heads, block_size, dim, tokens = 6, 2, 16, 64, 21
     g = torch.Generator().manual_seed(2)
@@ -82,8 +96,8 @@ def test_rope_write_kv_matches_torch(dtype, qk_norm):
     meta = AttentionMetadata(torch.randperm(30, generator=g)[:tokens], torch.randint(0, block_size, (tokens,), generator=g))
     norms = (torch.rand(dim, generator=g).to(dtype) + 0.5, torch.rand(dim, generator=g).to(dtype) + 0.5) if qk_norm \
         else (None, None)
-    caches = [_cache(30, kv_heads, block_size, dim, dtype) for _ in range(2)]
-    q = cpu_kernels.rope_write_kv(qkv, positions, cos, sin, *caches[0], meta.slot_blocks, meta.slot_offsets, heads,
+    ours, reference = (KVCacheLayer.allocate(kind, 30, kv_heads, block_size, dim, CPU) for _ in range(2))
+    q = cpu_kernels.rope_write_kv(qkv, positions, cos, sin, ours, meta.slot_blocks, meta.slot_offsets, heads,
                                   *norms, 1e-6)
 
     rope = Rope(cos, sin, positions)
@@ -93,12 +107,22 @@ def test_rope_write_kv_matches_torch(dtype, qk_norm):
         qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), norms[0].float(), 1e-6),
                         F.rms_norm(qk[:, heads:], (dim,), norms[1].float(), 1e-6)], dim=1)
     rotated = rope.apply(qk)
-    k_ref, v_ref = (c.float() for c in caches[1])
-    write_kv(k_ref, v_ref, rotated[:, heads:], x[:, heads + kv_heads:], meta)
+    write_kv(reference, rotated[:, heads:], x[:, heads + kv_heads:], meta)
     tolerance = TOLERANCE[dtype] * 4
     assert (q.float() - rotated[:, :heads]).abs().max().item() < tolerance
-    assert (caches[0][0].float() - k_ref).abs().max().item() < tolerance
-    assert (caches[0][1].float() - v_ref).abs().max().item() == 0
+    if kind == "int8":
+        # The same codes and scales, but a value within float noise of a rounding tie (x / s = 63.4999...)
+        # may round either way: -ffast-math lets the kernel form 1 / s and the product in another order.
+        for codes, expected in ((ours.k, reference.k), (ours.v, reference.v)):
+            assert (codes.int() - expected.int()).abs().max().item() <= 1
+            assert (codes != expected).float().mean().item() < 0.01
+        torch.testing.assert_close(ours.k_scales, reference.k_scales, rtol=tolerance, atol=0)
+        torch.testing.assert_close(ours.v_scales, reference.v_scales, rtol=1e-6, atol=0)
+    else:
+        # keys rotated in float noise of each other may round to neighbouring values of the cache's type
+        torch.testing.assert_close(ours.k.float(), reference.k.float(), atol=tolerance,
+                                   rtol=torch.finfo(ours.k.dtype).eps if kind != "float32" else 0)
+        assert torch.equal(ours.v, reference.v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

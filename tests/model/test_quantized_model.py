@@ -71,11 +71,15 @@ MODES = [
     ("int4", {}, 36),
     ("int4", {"quantization_group_size": 128}, 3),
     ("nf4", {}, 2),
+    # KV cache kinds (measured: float16 72, int8 64 alone and 62 under gguf weights)
+    (None, {"kv_cache_dtype": "float16"}, 60),
+    (None, {"kv_cache_dtype": "int8"}, 40),
+    ("gguf", {"kv_cache_dtype": "int8"}, 40),
 ]
 
 
 @pytest.mark.parametrize("mode, extra, min_agreeing", MODES,
-                         ids=[m + "".join(f"-{v}" for v in e.values()) for m, e, _ in MODES])
+                         ids=[f"{m}" + "".join(f"-{v}" for v in e.values()) for m, e, _ in MODES])
 def test_every_mode_generates_close_to_the_reference(real_model_path, real_llm, mode, extra, min_agreeing):
     llm = _quantized(real_model_path, mode, **extra)
     reference, ours = _greedy(real_llm), _greedy(llm)
@@ -83,3 +87,13 @@ def test_every_mode_generates_close_to_the_reference(real_model_path, real_llm, 
     assert agreeing >= min_agreeing, (agreeing, ours)
     for text in llm.generate(PROMPTS, SamplingParams(max_tokens=8)):
         assert text.outputs[0].text.strip()
+
+
+def test_an_int8_cache_holds_more_tokens_in_the_same_memory(real_model_path):
+    """The block count follows the bytes a kind really stores (codes and scales), within the budget."""
+    caches = {kind: _quantized(real_model_path, None, kv_cache_dtype=kind).engine for kind in ("float32", "int8")}
+    blocks = {kind: engine.kv.num_blocks for kind, engine in caches.items()}
+    assert blocks["int8"] / blocks["float32"] == pytest.approx(512 / 136, rel=0.01)  # per token and head, dim 64
+    for engine in caches.values():
+        stored = sum(t.numel() * t.element_size() for c in engine.runner.kv_caches for t in c.tensors())
+        assert 0.099 * 2**30 < stored <= 0.1 * 2**30
