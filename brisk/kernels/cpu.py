@@ -275,7 +275,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class _Weight(ctypes.Structure):  # struct weight, quant.h
     _fields_ = [("data", _PTR), ("bias", _PTR), ("scales", _PTR), ("mins", _PTR), ("rows", _I64), ("cols", _I64),
-                ("format", _I64), ("group", _I64), ("quantize_activations", _I64)]
+                ("format", _I64), ("group", _I64), ("quantize_activations", _I64), ("blocks", _I64),
+                ("groups", _I64), ("group_shift", _I64)]
 
 
 class _Layer(ctypes.Structure):  # struct decode_layer
@@ -296,11 +297,11 @@ class _Batch(ctypes.Structure):  # struct decode_batch
 
 
 # enum weight_format, quant.h
-_FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5, "q4_0": 6, "q4_1": 7}
+_FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5}
 
 
 # formats with an integer product for int8 activations (quant.h)
-INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "q4_0", "q4_1", "int4")
+INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "int4")
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -339,8 +340,10 @@ class KernelWeight:
         tensors = [weight.data.contiguous(), None if scales is None else scales.float().contiguous(), weight.mins,
                    None if bias is None else bias.detach().float().contiguous()]
         data, scales, mins, bias = tensors
-        return cls(_Weight(data.data_ptr(), _ptr(bias), _ptr(scales), _ptr(mins), weight.shape[0], weight.shape[1],
-                           _FORMAT_IDS[weight.format], weight.group_size, quantize_activations), tensors)
+        rows, cols, group = *weight.shape, weight.group_size
+        return cls(_Weight(data.data_ptr(), _ptr(bias), _ptr(scales), _ptr(mins), rows, cols, _FORMAT_IDS[weight.format],
+                           group, quantize_activations, -(-cols // 32), -(-cols // group), (group // 32).bit_length() - 1),
+                   tensors)
 
 
 def quant_available(x: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ import tokenizers
 import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, dequantize_gguf_blocks
+from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks
 from brisk.model.spec import ModelSpec, gguf_architecture
 from brisk.model.tokenizer import Tokenizer
 
@@ -173,15 +173,15 @@ class GGUFCheckpoint:
     def weights(self, dtype: torch.dtype, device: torch.device,
                 keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """HF-named weights, dequantized to `dtype`; with keep_blocks, matrices stored in Q8_0,
-        Q4_0 or Q4_1 come as QuantizedTensors of the file's own blocks instead (bytes copied,
-        nothing rounded)."""
+        Q4_0 or Q4_1 come as QuantizedTensors of the file's own values instead (nothing rounded;
+        see from_gguf_blocks)."""
         spec = self.spec()
         for name, tensor in self.tensors.items():
             hf_name = _hf_name(name)
             kind = tensor.kind.name.lower()
             if keep_blocks and kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
                 raw = torch.from_numpy(np.array(tensor.data)).view(tensor.shape[0], -1)
-                weight = QuantizedTensor(kind, tensor.shape, raw).to(device)
+                weight = from_gguf_blocks(kind, tensor.shape, raw).to(device)
             else:
                 weight = dequantize(tensor).to(device=device, dtype=dtype)
             if self.architecture.gguf_interleaved_rope and name.endswith(("attn_q.weight", "attn_k.weight")):

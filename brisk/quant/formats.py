@@ -13,8 +13,9 @@ fallback where the kernels don't run (no compiler, GPUs).
 | int4   | 4 bits     | codes 0..15 per group of 32/64/128 columns, fp32 scale + fp32 minimum |
 | nf4    | 4 bits     | bitsandbytes' normal-float codebook, one fp32 absmax per group        |
 | q8_0   | 8.5 bits   | GGUF blocks of 32, as in the file: f16 scale + 32 int8               |
-| q4_0   | 4.5 bits   | GGUF blocks of 32: f16 scale + 16 bytes of nibbles, w = d (q - 8)     |
-| q4_1   | 5 bits     | GGUF blocks of 32: f16 scale + f16 min + 16 bytes, w = d q + m        |
+
+A GGUF file's Q4_0 and Q4_1 matrices load as int4 with groups of 32 (`from_gguf_blocks`): the
+same nibbles, the f16 scale and minimum (Q4_0: -8 x scale) widened to f32, so nothing is rounded.
 
 4-bit codes are packed two per byte in GGUF's order within each block of 32 columns: byte t
 holds column t in its low nibble and column t + 16 in its high one. Columns are padded up to a
@@ -57,7 +58,7 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The float32 [rows, cols] matrix this stands for."""
         rows, cols = self.shape
-        if self.format in GGUF_BLOCK_BYTES:
+        if self.format == "q8_0":
             blocks = self.data.reshape(-1, GGUF_BLOCK_BYTES[self.format])
             return _GGUF_BLOCKS[self.format](blocks).view(rows, -1)[:, :cols]
         if self.format in ("int8", "fp8"):
@@ -191,6 +192,22 @@ _GGUF_BLOCKS = {
     "q4_0": lambda b: _half(b, 0) * (_nibbles(b[:, 2:]) - 8.0),
     "q4_1": lambda b: _half(b, 0) * _nibbles(b[:, 4:]) + _half(b, 2),
 }
+
+
+def from_gguf_blocks(kind: str, shape: tuple[int, int], blocks: torch.Tensor) -> QuantizedTensor:
+    """A GGUF matrix's blocks (q8_0, q4_0 or q4_1; [rows, bytes per row]) as a QuantizedTensor
+    whose values are the file's exactly. Q8_0 stays as stored. Q4_0 and Q4_1 are repacked into
+    int4 groups of 32 (llama.cpp repacks Q4_0 at load as well, into interleaved rows): the nibbles
+    are already in int4's order, and scales in planes of their own let the integer kernel load
+    eight blocks' scales as one vector (kernels/quant.h), for 4 more bytes per 32 weights."""
+    if kind == "q8_0":
+        return QuantizedTensor(kind, shape, blocks)
+    rows = shape[0]
+    flat = blocks.reshape(-1, GGUF_BLOCK_BYTES[kind])
+    scales = _half(flat, 0)
+    mins, codes = (-8.0 * scales, flat[:, 2:]) if kind == "q4_0" else (_half(flat, 2), flat[:, 4:])
+    return QuantizedTensor("int4", shape, codes.reshape(rows, -1).contiguous(), scales.reshape(rows, -1),
+                           mins.reshape(rows, -1), BLOCK)
 
 
 def dequantize_gguf_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
-from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, quantize
+from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, from_gguf_blocks, quantize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
 
@@ -19,7 +19,7 @@ FLOAT_FORMATS = ("int8", "fp8", "int4", "nf4")
 
 
 def _gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
-    """Random, valid GGUF blocks: small fp16 scales (and mins), any codes."""
+    """Random, valid GGUF blocks (small fp16 scales and mins, any codes), as the loader keeps them."""
     g = torch.Generator().manual_seed(seed)
     n = rows * cols // 32
     halves = lambda: (torch.rand(n, 1, generator=g) * 0.02 + 0.001).half().view(torch.uint8)  # noqa: E731
@@ -28,7 +28,7 @@ def _gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> QuantizedTen
     if kind == "q8_0":
         codes[codes == 128] = 129  # -128 is never written by ggml's rounding (|q| <= 127)
     parts = [halves(), halves(), codes] if kind == "q4_1" else [halves(), codes]
-    return QuantizedTensor(kind, (rows, cols), torch.cat(parts, dim=1).reshape(rows, -1))
+    return from_gguf_blocks(kind, (rows, cols), torch.cat(parts, dim=1).reshape(rows, -1))
 
 
 def _weights(rows: int, cols: int) -> list[QuantizedTensor]:
@@ -87,8 +87,8 @@ def test_activation_rounding_refuses_formats_without_an_integer_product():
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 + FMA path; the portable C path
 def test_avx2_and_portable_builds_agree_with_the_host_build(march):
-    x = torch.randn(12, 96, generator=torch.Generator().manual_seed(4))
-    for weight in _weights(21, 96):
+    x = torch.randn(12, 320, generator=torch.Generator().manual_seed(4))  # 10 blocks: int4's eight at once, 2 alone
+    for weight in _weights(21, 320):
         for activations in (False, True) if weight.format in cpu_kernels.INT8_ACTIVATION_FORMATS else (False,):
             kernel = cpu_kernels.KernelWeight.quantized(weight, quantize_activations=activations)
             for m in (1, 3, 12):

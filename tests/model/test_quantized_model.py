@@ -30,7 +30,7 @@ def gguf_llm(real_model_path) -> LLM:
 def test_gguf_keeps_the_files_blocks(gguf_llm):
     model = gguf_llm.engine.model
     qkv = model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, QuantizedLinear) and qkv.format == "q4_1"
+    assert isinstance(qkv, QuantizedLinear) and (qkv.format, qkv.group_size) == ("int4", 32)  # Q4_1, repacked
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.format == "q8_0"
     parameters, weight_bytes = weight_footprint(model)
     assert parameters == 134_515_008  # as the fp32 model: every matrix counted by what it stands for

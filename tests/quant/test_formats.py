@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from brisk.quant.formats import NF4_VALUES, QuantizedTensor, pack_nibbles, quantize, unpack_nibbles
+from brisk.quant.formats import (GGUF_BLOCK_BYTES, NF4_VALUES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks,
+                                 pack_nibbles, quantize, unpack_nibbles)
 
 SHAPES = [(7, 45), (33, 100), (64, 128), (3, 31)]
 
@@ -47,6 +48,22 @@ def test_int4_at_group_32_reproduces_a_q4_1_grid_exactly():
     codes[..., 0], codes[..., 1] = 0, 15  # each group spans its whole grid
     w = (codes * scale + low).view(6, 96)
     assert torch.allclose(quantize(w, "int4", 32).dequantize(), w, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+def test_gguf_blocks_load_with_the_values_of_the_file(kind):
+    """Q4_0 / Q4_1 are repacked into int4 groups of 32, Q8_0 kept: either way every weight is the
+    value the GGUF block stands for (ggml's own formula, dequantize_gguf_blocks), bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    rows, cols = 5, 96
+    n = rows * cols // 32
+    halves = lambda: (torch.randn(n, 1, generator=g) * 0.02).half().view(torch.uint8)  # noqa: E731
+    codes = torch.randint(0, 256, (n, GGUF_BLOCK_BYTES[kind] - (4 if kind == "q4_1" else 2)), generator=g,
+                          dtype=torch.uint8)
+    blocks = torch.cat([halves(), halves(), codes] if kind == "q4_1" else [halves(), codes], dim=1)
+    loaded = from_gguf_blocks(kind, (rows, cols), blocks.reshape(rows, -1))
+    assert loaded.format == ("q8_0" if kind == "q8_0" else "int4") and loaded.group_size == 32
+    assert torch.equal(loaded.dequantize(), dequantize_gguf_blocks(kind, blocks).view(rows, cols))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
