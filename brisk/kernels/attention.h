@@ -30,6 +30,23 @@
 
 #include "dtypes.h"
 
+/* A K or V block (BLOCK_SIZE * HEAD_DIM values of the cache) as floats: the cache itself when it
+ * holds floats, else converted once into `scratch` (L1-sized), so every query head of the group
+ * reads floats and no element is converted once per head. */
+#define AS_FLOATS(CT, LOAD_C, src, scratch)                                                               \
+    (sizeof(CT) == sizeof(float) ? (const float *)(src) : to_floats_##LOAD_C((src), (scratch)))
+
+#define DEFINE_TO_FLOATS(CT, LOAD_C)                                                                      \
+    static inline const float *to_floats_##LOAD_C(const CT *restrict src, float *restrict dst) {          \
+        _Pragma("omp simd")                                                                               \
+        for (int64_t i = 0; i < BLOCK_SIZE * HEAD_DIM; i++) dst[i] = LOAD_C(src[i]);                      \
+        return dst;                                                                                       \
+    }
+DEFINE_TO_FLOATS(float, load_f32)
+DEFINE_TO_FLOATS(uint16_t, load_bf16)
+DEFINE_TO_FLOATS(uint16_t, load_f16)
+DEFINE_TO_FLOATS(int8_t, load_i8)
+
 #define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
     static inline void decode_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,        \
                                                  const CT *restrict v_cache,                              \
@@ -49,23 +66,32 @@
                 const int64_t num_blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE;                           \
                 const int64_t padded = num_blocks * BLOCK_SIZE;                                           \
                 const int64_t *table = block_tables + s * max_blocks;                                     \
-                float *scores = malloc(sizeof(float) * group * padded);                                   \
-                float *query = malloc(sizeof(float) * group * HEAD_DIM);                                  \
+                float *scores = malloc(sizeof(float) * group * (padded + 2 * HEAD_DIM));                  \
+                float *restrict query = scores + group * padded, *restrict acc = query + group * HEAD_DIM; \
+                float block[BLOCK_SIZE * HEAD_DIM]; /* a K or V block as floats, when CT is not float */  \
                 for (int64_t g = 0; g < group; g++)                                                       \
-                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) {                                              \
                         query[g * HEAD_DIM + d] = LOAD_X(q[(s * num_heads + h * group + g) * HEAD_DIM + d]) * scale; \
+                        acc[g * HEAD_DIM + d] = 0.0f;                                                     \
+                    }                                                                                     \
                 for (int64_t b = 0; b < num_blocks; b++) {                                                \
-                    const CT *keys = k_cache + (table[b] * num_kv_heads + h) * block_elems;               \
+                    const float *keys = AS_FLOATS(CT, LOAD_C, k_cache + (table[b] * num_kv_heads + h) * block_elems, \
+                                                  block);                                                 \
+                    const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
                     for (int64_t g = 0; g < group; g++) {                                                 \
-                        float row[BLOCK_SIZE] = {0};                                                      \
+                        /* two partial sums over d: twice the FMA chains in flight */                     \
+                        float even[BLOCK_SIZE] = {0}, odd[BLOCK_SIZE] = {0};                              \
                         const float *qg = query + g * HEAD_DIM;                                           \
-                        for (int64_t d = 0; d < HEAD_DIM; d++) {                                          \
+                        for (int64_t d = 0; d < HEAD_DIM; d += 2) {                                       \
                             _Pragma("omp simd")                                                           \
-                            for (int64_t t = 0; t < BLOCK_SIZE; t++) row[t] += qg[d] * LOAD_C(keys[d * BLOCK_SIZE + t]); \
+                            for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                    \
+                                even[t] += qg[d] * keys[d * BLOCK_SIZE + t];                              \
+                                odd[t] += qg[d + 1] * keys[(d + 1) * BLOCK_SIZE + t];                     \
+                            }                                                                             \
                         }                                                                                 \
-                        const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                        float *row = scores + g * padded + b * BLOCK_SIZE;                                \
                         for (int64_t t = 0; t < BLOCK_SIZE; t++)                                          \
-                            scores[g * padded + b * BLOCK_SIZE + t] = SCALED ? row[t] * ks[t] : row[t];   \
+                            row[t] = SCALED ? (even[t] + odd[t]) * ks[t] : even[t] + odd[t];              \
                     }                                                                                     \
                 }                                                                                         \
                 for (int64_t g = 0; g < group; g++) {                                                     \
@@ -79,24 +105,27 @@
                     const float inv = 1.0f / sum;                                                         \
                     for (int64_t t = 0; t < padded; t++) p[t] *= inv;                                     \
                 }                                                                                         \
-                for (int64_t g = 0; g < group; g++) {                                                     \
-                    float acc[HEAD_DIM] = {0};                                                            \
-                    const float *p = scores + g * padded;                                                 \
-                    for (int64_t b = 0; b < num_blocks; b++) {                                            \
-                        const CT *values = v_cache + (table[b] * num_kv_heads + h) * block_elems;         \
-                        const int64_t n = len - b * BLOCK_SIZE < BLOCK_SIZE ? len - b * BLOCK_SIZE : BLOCK_SIZE; \
-                        const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                for (int64_t b = 0; b < num_blocks; b++) { /* each value block read once for the group */ \
+                    const float *values = AS_FLOATS(CT, LOAD_C,                                           \
+                                                    v_cache + (table[b] * num_kv_heads + h) * block_elems, block); \
+                    const int64_t n = len - b * BLOCK_SIZE < BLOCK_SIZE ? len - b * BLOCK_SIZE : BLOCK_SIZE; \
+                    const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                    for (int64_t g = 0; g < group; g++) {                                                 \
+                        const float *p = scores + g * padded + b * BLOCK_SIZE;                            \
+                        float a[HEAD_DIM];                                                                \
+                        for (int64_t d = 0; d < HEAD_DIM; d++) a[d] = acc[g * HEAD_DIM + d];              \
                         for (int64_t t = 0; t < n; t++) {                                                 \
-                            const float pt = SCALED ? p[b * BLOCK_SIZE + t] * vs[t] : p[b * BLOCK_SIZE + t]; \
+                            const float pt = SCALED ? p[t] * vs[t] : p[t];                                \
                             _Pragma("omp simd")                                                           \
-                            for (int64_t d = 0; d < HEAD_DIM; d++) acc[d] += pt * LOAD_C(values[t * HEAD_DIM + d]); \
+                            for (int64_t d = 0; d < HEAD_DIM; d++) a[d] += pt * values[t * HEAD_DIM + d]; \
                         }                                                                                 \
+                        for (int64_t d = 0; d < HEAD_DIM; d++) acc[g * HEAD_DIM + d] = a[d];              \
                     }                                                                                     \
-                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
-                        out[(s * num_heads + h * group + g) * HEAD_DIM + d] = STORE_X(acc[d]);            \
                 }                                                                                         \
+                for (int64_t g = 0; g < group; g++)                                                       \
+                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
+                        out[(s * num_heads + h * group + g) * HEAD_DIM + d] = STORE_X(acc[g * HEAD_DIM + d]); \
                 free(scores);                                                                             \
-                free(query);                                                                              \
             }                                                                                             \
         }                                                                                                 \
     }

@@ -28,17 +28,21 @@ static inline uint16_t store_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Exact for every finite half, and written so loops over arrays vectorize (F16C's scalar
+ * conversion does not): a normal half's exponent and mantissa move into a float's with the
+ * exponent rebiased by integer addition; a subnormal one is mantissa x 2^-24. Infinities and
+ * NaNs, which no cache or GGUF scale holds, come out finite. */
 static inline float load_f16(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    if (exp == 0) return (sign ? -1.0f : 1.0f) * (float)man * 0x1p-24f; /* zero or subnormal */
-    const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    const uint32_t magnitude = h & 0x7FFF, sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t normal = (magnitude << 13) + (112u << 23);
     float f;
+    memcpy(&f, &normal, sizeof f);
+    if (magnitude < 0x400) f = (float)magnitude * 0x1p-24f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
     memcpy(&f, &bits, sizeof f);
     return f;
-#endif
 }
 
 static inline uint16_t store_f16(float f) { /* round to nearest even, as torch's .half() */
