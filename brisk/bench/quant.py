@@ -23,6 +23,7 @@ from brisk.bench.perplexity import DEFAULT_TEXT, perplexity
 from brisk.bench.throughput import make_prompts, run_brisk, single_stream_decode, weight_bytes
 from brisk.config import ConfigError, EngineConfig
 from brisk.llm import LLM
+from brisk.model.loader import open_checkpoint
 
 # (label, EngineConfig fields over the command's own): weight formats on the model's default
 # KV cache, then KV cache kinds, then the combination meant for batched throughput.
@@ -110,17 +111,16 @@ def main(args) -> None:
     if unknown:
         raise ConfigError(f"unknown --configs {unknown}: choose from {list(CONFIGS)}")
     base_config = engine_config_from_args(args)
-    first = LLM.from_config(dataclasses.replace(base_config, num_kv_blocks=64, max_model_len=1024))
+    checkpoint = open_checkpoint(base_config.model)  # the tokenizer and the shapes; no weights
     prompts = make_prompts(args.num_prompts or 2, args.min_prompt_len, args.max_prompt_len,
-                           first.engine.spec.vocab_size, args.seed)
+                           checkpoint.spec.vocab_size, args.seed)
     text_ids = None
     if args.perplexity_tokens:
         if not DEFAULT_TEXT.exists():
             raise ConfigError(f"no text at {DEFAULT_TEXT}: run `make install` or pass --perplexity-tokens 0")
         text = DEFAULT_TEXT.read_text(encoding="utf-8")
-        text_ids = first.tokenizer.encode(text, add_special_tokens=False)[:args.perplexity_tokens]
-    model_path = first.engine.checkpoint.path
-    del first
+        text_ids = checkpoint.tokenizer.encode(text, add_special_tokens=False)[:args.perplexity_tokens]
+    model_path = checkpoint.path
     print(f"model: {model_path}, threads: {torch.get_num_threads()}, dtype {args.dtype}")
     print(f"single stream: {args.decode_len} tokens after a 32-token prompt, best of {args.repeats}; offline: "
           f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} "

@@ -44,6 +44,7 @@ class ModelInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
+    kv_cache_dtype: str  # how K and V are stored (EngineConfig.kv_cache_kind)
     num_kv_blocks: int
     enable_prefix_caching: bool
     num_layers: int
@@ -63,6 +64,7 @@ class ModelInfo:
             max_model_len=engine.max_model_len,
             vocab_size=spec.vocab_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+            kv_cache_dtype=config.kv_cache_kind,
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads,

@@ -122,7 +122,7 @@ class ServiceAPI:
             "runtime_quantization": info.runtime_quantization,
             "max_model_len": info.max_model_len, "max_num_seqs": info.max_num_seqs,
             "max_num_batched_tokens": info.max_num_batched_tokens,
-            "kv_block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks,
+            "kv_block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks, "kv_cache_dtype": info.kv_cache_dtype,
             "enable_prefix_caching": info.enable_prefix_caching,
             "layers": info.num_layers, "hidden_size": info.hidden_size, "num_heads": info.num_heads,
             "num_kv_heads": info.num_kv_heads, "vocab_size": info.vocab_size,

@@ -70,6 +70,7 @@ def test_model_info(http):
     assert info["name"] == "smollm2" and info["architecture"] == "llama"
     assert info["parameters"] == 134_515_008 and info["dtype"] == "float32"
     assert info["quantization"].startswith("Q4_1") and info["kv_block_size"] == 16
+    assert info["kv_cache_dtype"] == info["dtype"]  # auto: the model's dtype
     assert info["max_model_len"] == 2048 and info["num_kv_blocks"] > 0 and info["max_num_seqs"] == 64
 
 
