@@ -156,10 +156,14 @@ def _cache_pointers(cache: KVCacheLayer) -> tuple[int, int, int | None, int | No
     return cache.k.data_ptr(), cache.v.data_ptr(), _ptr(cache.k_scales), _ptr(cache.v_scales)
 
 
+def _serves(source_name: str, x: torch.Tensor, cache: KVCacheLayer) -> bool:
+    return (_on_cpu(x) and cache.v.device.type == "cpu" and cache.kind in _CACHE_SUFFIXES
+            and _shaped_library(source_name, cache) is not None)
+
+
 def available(x: torch.Tensor, cache: KVCacheLayer) -> bool:
     """Whether the attention kernels serve activations like x with this cache (device, kinds, shape)."""
-    return (_on_cpu(x) and cache.v.device.type == "cpu" and cache.kind in _CACHE_SUFFIXES
-            and _shaped_library("paged_attention.c", cache) is not None)
+    return _serves("paged_attention.c", x, cache)
 
 
 def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -377,8 +381,7 @@ class DecodeLayerWeights:
 def decode_layers_available(weight: torch.Tensor, cache: KVCacheLayer) -> bool:
     """Whether the fused decode step (decode_layers.c) serves a model whose weights are like
     `weight` (a norm's: the model's dtype) with this cache."""
-    return (_on_cpu(weight) and cache.v.device.type == "cpu" and cache.kind in _CACHE_SUFFIXES
-            and _shaped_library("decode_layers.c", cache) is not None)
+    return _serves("decode_layers.c", weight, cache)
 
 
 

@@ -21,8 +21,8 @@
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
  * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns. A GGUF file's
  * Q4_0 and Q4_1 blocks arrive here as INT4 with groups of 32 (quant/formats.py repacks them at
- * load, bit for bit: the same codes, the f16 scales widened to f32): with scales in planes of
- * their own, eight blocks' scales load as one vector, which the integer product below needs.
+ * load, bit for bit: the same codes, the f16 scales widened to f32), so one 4-bit reader serves
+ * the int4 and gguf modes.
  *
  * Two loops use the blocks. `qmatvec` is the decode path: one weight row at a time, each block
  * dequantized once and multiplied into up to 8 activation rows while in registers. `qmatmul` is
@@ -449,74 +449,12 @@ static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, 
         for (int i = 0; i < ROWS; i++) sums[i] = IDOT_SUM(acc[i]) + offsets[i] + qdot_tail_##FMT(w, j, x + i * k); \
     }
 
-#ifdef __AVX2__
-/* int4 (the layers of the int4 and gguf modes) has a product of its own, eight blocks at a time:
- * each block's 32 code x activation products reduce to 8 int32 lanes (maddubs: the codes are
- * unsigned, so no sign trick), a tree of horizontal adds turns eight blocks' lanes into one
- * vector of eight block sums, and those meet eight scales loaded as one vector. The per-block
- * path converted and scaled every block on its own (a broadcast, a scalar product and a chain of
- * dependent FMAs per block); this runs the same blocks 1.6-1.8x faster (gate_up, 2 threads). */
-static inline __m256 block_sums8(const __m256i v[8]) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                                               _mm256_permute2x128_si256(a, b, 0x31)));
-}
-
-/* The scales (or mins) of blocks b..b+7 (b a multiple of 8) from a row's plane of per-group
- * values: one per block for groups of 32, each repeated for 64 and 128. */
-static inline __m256 block_scales8(const float *plane, int64_t b, int64_t group) {
-    if (group == QBLOCK) return _mm256_loadu_ps(plane + b);
-    if (group == 2 * QBLOCK)
-        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(plane + b / 2)),
-                                        _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(plane + b / 4)))),
-                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
-
-#define DEFINE_QDOT_A8_INT4(NAME, ROWS)                                                                   \
-    static inline void NAME(const struct weight *w, int64_t j, const int8_t *restrict xq,                 \
-                            const float *restrict xd, const float *restrict xs, const float *restrict x,  \
-                            float *restrict sums) {                                                       \
-        const int64_t k = w->cols, full = k / QBLOCK, eights = full / 8 * 8, groups = groups_per_row(w);  \
-        const uint8_t *codes = (const uint8_t *)w->data + j * blocks_per_row(w) * (QBLOCK / 2);           \
-        const float *scales = w->scales + j * groups, *mins = w->mins + j * groups;                       \
-        const __m256i ones = _mm256_set1_epi16(1);                                                        \
-        __m256 acc[ROWS];                                                                                 \
-        for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();                                      \
-        for (int64_t b = 0; b < eights; b += 8) {                                                         \
-            __m256i c[8];                                                                                 \
-            for (int t = 0; t < 8; t++) c[t] = unpack_codes(codes + (b + t) * (QBLOCK / 2));              \
-            const __m256 d = block_scales8(scales, b, w->group), m = block_scales8(mins, b, w->group);    \
-            for (int i = 0; i < ROWS; i++) {                                                              \
-                const int8_t *xi = xq + (i * full + b) * QBLOCK;                                          \
-                __m256i v[8];                                                                             \
-                for (int t = 0; t < 8; t++)                                                               \
-                    v[t] = _mm256_madd_epi16(                                                             \
-                        _mm256_maddubs_epi16(c[t], _mm256_loadu_si256((const __m256i *)(xi + t * QBLOCK))), ones); \
-                acc[i] = _mm256_fmadd_ps(block_sums8(v), _mm256_mul_ps(d, _mm256_loadu_ps(xd + i * full + b)), acc[i]); \
-                acc[i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + i * full + b), acc[i]);                  \
-            }                                                                                             \
-        }                                                                                                 \
-        for (int i = 0; i < ROWS; i++) sums[i] = hsum(acc[i]) + qdot_tail_int4(w, j, x + i * k);          \
-        for (int64_t b = eights; b < full; b++) {                                                         \
-            float d, offset;                                                                              \
-            const codes32 c = icodes_int4(w, j, b, &d, &offset);                                          \
-            for (int i = 0; i < ROWS; i++)                                                                \
-                sums[i] += hsum(idot32(c, xq + (i * full + b) * QBLOCK)) * d * xd[i * full + b]           \
-                           + offset * xs[i * full + b];                                                   \
-        }                                                                                                 \
-    }
-#endif
 
 /* y [m, rows] = x @ w^T with x rounded to int8 per block; the activations are quantized by every
  * thread into its own stack (m * cols bytes: cheaper than a barrier). */
-#define DEFINE_QDOTS_A8(FMT)                                                                              \
-    DEFINE_QDOT_A8(qdot_a8_##FMT##_4, FMT, 4)                                                             \
-    DEFINE_QDOT_A8(qdot_a8_##FMT##_1, FMT, 1)
-
-/* qdot_a8_FMT_4 and _1 must exist (DEFINE_QDOTS_A8, or int4's own). */
 #define DEFINE_QMATVEC_A8(FMT)                                                                            \
+    DEFINE_QDOT_A8(qdot_a8_##FMT##_4, FMT, 4)                                                             \
+    DEFINE_QDOT_A8(qdot_a8_##FMT##_1, FMT, 1)                                                             \
     static inline void qmatvec_a8_##FMT(const struct weight *w, const float *restrict x, float *restrict y, \
                                         int64_t m) {                                                      \
         const int64_t n = w->rows, k = w->cols, full = k / QBLOCK;                                        \
@@ -652,14 +590,6 @@ DEFINE_QFORMAT(fp8, 0)
 DEFINE_QFORMAT(int4, 1)
 DEFINE_QFORMAT(nf4, 0)
 DEFINE_QFORMAT(q8_0, 0)
-DEFINE_QDOTS_A8(int8)
-DEFINE_QDOTS_A8(q8_0)
-#ifdef __AVX2__
-DEFINE_QDOT_A8_INT4(qdot_a8_int4_4, 4)
-DEFINE_QDOT_A8_INT4(qdot_a8_int4_1, 1)
-#else
-DEFINE_QDOTS_A8(int4)
-#endif
 DEFINE_QMATVEC_A8(int8)
 DEFINE_QMATVEC_A8(q8_0)
 DEFINE_QMATVEC_A8(int4)
