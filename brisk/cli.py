@@ -92,9 +92,11 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from brisk.quant.checkpoint import QuantizedLayout, folder_bytes, write_folder
     from brisk.quant.modules import weight_footprint
 
-    if os.path.isdir(args.out) and os.listdir(args.out):
-        raise ConfigError(f"--out {args.out!r} is a folder that is not empty: choose a new one")
+    if os.path.exists(args.out) and not (os.path.isdir(args.out) and not os.listdir(args.out)):
+        raise ConfigError(f"--out {args.out!r} exists and is not an empty folder: choose a new one")
     checkpoint = open_checkpoint(args.model)
+    if checkpoint.layout is not None:
+        raise ConfigError(f"{args.model!r} is already quantized ({checkpoint.layout}): quantize the float checkpoint")
     layout = QuantizedLayout(args.to, args.group_size)
     model = load_model(checkpoint, torch.float32, torch.device("cpu"), max_len=16, quantization=args.to,
                        group_size=args.group_size)

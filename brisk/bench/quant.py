@@ -25,8 +25,10 @@ from brisk.config import ConfigError, EngineConfig
 from brisk.llm import LLM
 from brisk.model.loader import open_checkpoint
 
-# (label, EngineConfig fields over the command's own): weight formats on the model's default
-# KV cache, then KV cache kinds, then the combination meant for batched throughput.
+# What every row sets (a flag such as --kv-cache-dtype must not leak into rows whose label says
+# otherwise), then each row's own fields: weight formats on the model's default KV cache, then
+# KV cache kinds, then the combination meant for batched throughput.
+ROW_DEFAULTS = {"dtype": "float32", "quantization": None, "int8_activations": False, "kv_cache_dtype": "auto"}
 CONFIGS: dict[str, dict] = {
     "float32": {},
     "bfloat16": {"dtype": "bfloat16"},
@@ -121,6 +123,11 @@ def main(args) -> None:
         text = DEFAULT_TEXT.read_text(encoding="utf-8")
         text_ids = checkpoint.tokenizer.encode(text, add_special_tokens=False)[:args.perplexity_tokens]
     model_path = checkpoint.path
+    if checkpoint.format != "gguf":
+        skipped = [label for label in labels if CONFIGS[label].get("quantization") == "gguf"]
+        if skipped:
+            print(f"skipped {skipped}: they run a GGUF file's own blocks")
+        labels = [label for label in labels if label not in skipped]
     print(f"model: {model_path}, threads: {torch.get_num_threads()}, dtype {args.dtype}")
     print(f"single stream: {args.decode_len} tokens after a 32-token prompt, best of {args.repeats}; offline: "
           f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} "
@@ -128,7 +135,8 @@ def main(args) -> None:
 
     rows = []
     for label in labels:
-        rows.append(measure(label, dataclasses.replace(base_config, **CONFIGS[label]), prompts, args, text_ids))
+        config = dataclasses.replace(base_config, **{**ROW_DEFAULTS, **CONFIGS[label]})
+        rows.append(measure(label, config, prompts, args, text_ids))
         print(f"  {label}: done", flush=True)
     if model_path.endswith(".gguf") and not args.no_llama_cpp:
         row = llama_cpp_row(model_path, prompts[0][:32], args)

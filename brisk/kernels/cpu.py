@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from brisk.quant.formats import QuantizedTensor
+from brisk.quant.formats import GROUP_SIZES, QuantizedTensor
 from brisk.quant.kv_cache import KVCacheLayer
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class _Weight(ctypes.Structure):  # struct weight, quant.h
     _fields_ = [("data", _PTR), ("bias", _PTR), ("scales", _PTR), ("mins", _PTR), ("rows", _I64), ("cols", _I64),
-                ("format", _I64), ("group", _I64), ("quantize_activations", _I64), ("blocks", _I64),
+                ("format", _I64), ("quantize_activations", _I64), ("blocks", _I64),
                 ("groups", _I64), ("group_shift", _I64)]
 
 
@@ -345,8 +345,10 @@ class KernelWeight:
                    None if bias is None else bias.detach().float().contiguous()]
         data, scales, mins, bias = tensors
         rows, cols, group = *weight.shape, weight.group_size
+        if group not in GROUP_SIZES:  # the kernels find a block's group by a shift
+            raise ValueError(f"group size {group} is not one of {GROUP_SIZES}")
         return cls(_Weight(data.data_ptr(), _ptr(bias), _ptr(scales), _ptr(mins), rows, cols, _FORMAT_IDS[weight.format],
-                           group, quantize_activations, -(-cols // 32), -(-cols // group), (group // 32).bit_length() - 1),
+                           quantize_activations, -(-cols // 32), -(-cols // group), (group // 32).bit_length() - 1),
                    tensors)
 
 

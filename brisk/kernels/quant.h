@@ -59,11 +59,12 @@ struct weight {
     const void *data;
     const void *bias;                   /* [rows]: the model's dtype when dense, float32 otherwise; or NULL */
     const float *scales, *mins;         /* see the table above; NULL where a format has none */
-    int64_t rows, cols, format, group;  /* group: columns per scale (int4, nf4) */
+    int64_t rows, cols, format;
     int64_t quantize_activations;       /* products round activations to int8 (see below) */
-    /* Derived once by the caller so no loop divides: blocks of 32 per row (codes padded to them),
-     * groups per row, and log2(group / 32), which takes a block's index to its group's. A 64-bit
-     * division per row or block cost as much as a row's products on the narrow layers. */
+    /* The shape of the codes, derived by the caller so no loop divides: blocks of 32 per row
+     * (codes padded to them), groups per row (a group, for int4 and nf4, is 32, 64 or 128
+     * columns: one scale), and log2(group / 32), which takes a block's index to its group's. A
+     * 64-bit division per row or block cost as much as a row's products on the narrow layers. */
     int64_t blocks, groups, group_shift;
 };
 
@@ -448,7 +449,6 @@ static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, 
         }                                                                                                 \
         for (int i = 0; i < ROWS; i++) sums[i] = IDOT_SUM(acc[i]) + offsets[i] + qdot_tail_##FMT(w, j, x + i * k); \
     }
-
 
 /* y [m, rows] = x @ w^T with x rounded to int8 per block; the activations are quantized by every
  * thread into its own stack (m * cols bytes: cheaper than a barrier). */

@@ -65,16 +65,20 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, group_size: int = 32,
                int8_activations: bool = False) -> LlamaForCausalLM:
     """Builds the module on the meta device (no random init: every weight comes from the file).
-    quantization: None (weights in `dtype`), "gguf" (a GGUF file's blocks run as stored), or a
+    quantization: None (weights in `dtype`, or as a `brisk quantize` folder stores them), "gguf" (a
+    GGUF file's own values: Q8_0 blocks as stored, Q4_0/Q4_1 repacked into int4), or a
     format the float weights are converted to after loading (brisk.quant.modules); "w8a8" is
     int8 with int8_activations."""
     if quantization == "w8a8":
         quantization, int8_activations = "int8", True
     if quantization == "gguf" and checkpoint.format != "gguf":
         raise ValueError("quantization 'gguf' runs a GGUF file's own blocks: the model is not a GGUF file")
-    if checkpoint.layout is not None and quantization not in (None, checkpoint.layout.method):
-        raise ValueError(f"the checkpoint is stored in {checkpoint.layout.method} (written by `brisk quantize`); "
-                         f"it cannot be converted to {quantization}: quantize the float checkpoint instead")
+    stored = checkpoint.layout
+    if stored is not None and quantization is not None and (
+            quantization != stored.method or (quantization in ("int4", "nf4") and group_size != stored.group_size)):
+        raise ValueError(f"the checkpoint is stored in {stored} (written by `brisk quantize`); it cannot be converted "
+                         f"to {quantization} with group size {group_size}: leave the quantization options out to "
+                         f"run it as stored, or quantize the float checkpoint")
     with torch.device("meta"):
         model = LlamaForCausalLM(checkpoint.spec, max_len)
     model = model.to_empty(device=device).to(dtype)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from brisk.model.tokenizer import Tokenizer
-from brisk.quant.formats import QuantizedTensor
+from brisk.quant.formats import GROUP_SIZES, QuantizedTensor
 
 QUANT_METHOD = "brisk"  # config.json's quantization_config.quant_method for folders written here
 _METADATA_KEY = "brisk_quantized"
@@ -92,6 +92,9 @@ def load_weights(files: list[Path], dtype: torch.dtype, device: torch.device
                 if name not in parts_of:
                     yield name, f.get_tensor(name).to(dtype)
             for name, layout in layouts.items():
+                if layout["group_size"] not in GROUP_SIZES:
+                    raise ValueError(f"{file.name}: {name} has group size {layout['group_size']}, "
+                                     f"not one of {GROUP_SIZES}")
                 data, scales, mins = (f.get_tensor(f"{name}.{part}") if f"{name}.{part}" in f.keys() else None
                                       for part in _PARTS)
                 yield name, QuantizedTensor(layout["format"], tuple(layout["shape"]), data, scales, mins,

@@ -36,7 +36,7 @@ def kv_bytes_per_token(kind: str, num_layers: int, num_kv_heads: int, head_dim: 
     return 2 * num_layers * num_kv_heads * per_head
 
 
-@dataclass
+@dataclass(eq=False)  # tensors: identity, not a generated element-wise __eq__
 class KVCacheLayer:
     """One layer's K and V blocks in one storage kind (float32, bfloat16, float16 or int8)."""
 

@@ -10,11 +10,13 @@ from tests.conftest import build_tiny_checkpoint
 
 def test_bench_quant_prints_a_row_per_configuration(tmp_path, capsys):
     model = build_tiny_checkpoint(str(tmp_path / "llama"), "llama")
-    code = main(["bench", "quant", "--model", model, "--configs", "float32", "int8", "kv-int8",
+    code = main(["bench", "quant", "--model", model, "--configs", "float32", "gguf", "int8", "kv-int8",
                  "--num-prompts", "3", "--min-prompt-len", "5", "--max-prompt-len", "30", "--output-len", "4",
                  "--decode-len", "4", "--repeats", "1", "--perplexity-tokens", "0", "--no-llama-cpp"])
     assert code == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    out = capsys.readouterr().out
+    assert "skipped ['gguf']: they run a GGUF file's own blocks" in out  # a Hugging Face folder has none
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split(" | ")[0] for row in rows] == ["| configuration", "| float32", "| int8", "| kv-int8"]
     assert "(1.00x)" in rows[1] and all(" – |" not in row.split(" | ")[2] for row in rows[1:])
 

@@ -33,7 +33,7 @@ def _gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> QuantizedTen
 
 def _weights(rows: int, cols: int) -> list[QuantizedTensor]:
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
-    made = [quantize(w, f, group) for f in FLOAT_FORMATS for group in ((32, 128) if f in ("int4", "nf4") else (64,))]
+    made = [quantize(w, f, group) for f in FLOAT_FORMATS for group in ((32, 64, 128) if f in ("int4", "nf4") else (64,))]
     if cols % 32 == 0:
         made += [_gguf_blocks(kind, rows, cols) for kind in GGUF_BLOCK_BYTES]
     return made
@@ -78,6 +78,13 @@ def test_int8_activations_stay_within_their_rounding(rows, cols):
             assert (error > 0).any()  # it does round: this is not the float path
 
 
+def test_a_group_size_the_kernels_cannot_shift_to_is_refused():
+    weight = quantize(torch.randn(4, 192), "int4", 64)
+    odd = QuantizedTensor("int4", weight.shape, weight.data, weight.scales, weight.mins, 96)
+    with pytest.raises(ValueError, match="group size 96 is not one of"):
+        cpu_kernels.KernelWeight.quantized(odd)
+
+
 def test_activation_rounding_refuses_formats_without_an_integer_product():
     weight = quantize(torch.randn(4, 64), "nf4", 32)
     with pytest.raises(ValueError, match="nf4 weights multiply float activations only"):
@@ -87,7 +94,7 @@ def test_activation_rounding_refuses_formats_without_an_integer_product():
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 + FMA path; the portable C path
 def test_avx2_and_portable_builds_agree_with_the_host_build(march):
-    x = torch.randn(12, 320, generator=torch.Generator().manual_seed(4))  # 10 blocks: int4's eight at once, 2 alone
+    x = torch.randn(12, 320, generator=torch.Generator().manual_seed(4))  # 10 blocks, int4 groups of 64 and 128
     for weight in _weights(21, 320):
         for activations in (False, True) if weight.format in cpu_kernels.INT8_ACTIVATION_FORMATS else (False,):
             kernel = cpu_kernels.KernelWeight.quantized(weight, quantize_activations=activations)

@@ -66,9 +66,14 @@ def test_quantized_folder_keeps_the_tokenizer_and_config(real_model_path, int4_f
 
 
 @pytest.mark.real_model
-def test_quantized_folder_refuses_another_format(int4_folder):
-    with pytest.raises(ValueError, match="stored in int4"):
-        load_model(open_checkpoint(int4_folder), torch.float32, torch.device("cpu"), 16, quantization="int8")
+def test_quantized_folder_refuses_another_format(int4_folder, capsys):
+    checkpoint = open_checkpoint(int4_folder)
+    for quantization, group in (("int8", 32), ("int4", 128)):  # another format; the same one, other groups
+        with pytest.raises(ValueError, match="stored in int4, groups of 64"):
+            load_model(checkpoint, torch.float32, torch.device("cpu"), 16, quantization=quantization, group_size=group)
+    load_model(checkpoint, torch.float32, torch.device("cpu"), 16, quantization="int4", group_size=64)  # as stored
+    assert main(["quantize", int4_folder, "--to", "int8", "--out", int4_folder + "-again"]) == 2
+    assert "already quantized (int4, groups of 64)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("architecture,method", [("qwen2", "int8"), ("llama", "nf4"), ("qwen3", "fp8")])
@@ -86,7 +91,9 @@ def test_every_format_and_architecture_round_trips(tmp_path, architecture, metho
 def test_quantize_refuses_a_folder_in_use_and_foreign_configs(tmp_path, capsys):
     source = build_tiny_checkpoint(str(tmp_path / "source"), "llama")
     assert main(["quantize", source, "--to", "int4", "--out", source]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "is not an empty folder" in capsys.readouterr().err
+    assert main(["quantize", source, "--to", "int4", "--out", os.path.join(source, "config.json")]) == 2
+    assert "is not an empty folder" in capsys.readouterr().err
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
