@@ -46,8 +46,8 @@ class EngineConfig:
     quantization: str | None = _knob(
         None, "Run the weights in fewer bits: int8 (per channel), fp8 (e4m3, per channel), int4 (groups with "
               "zero points), nf4 (normal-float groups), or gguf (a GGUF file's own values: Q8_0 blocks as stored, "
-              "Q4_0/Q4_1 repacked bit for bit into int4), or w8a8 (int8 with --int8-activations). The embedding table and LM head get 8 bits. "
-              "Default: the weights in --dtype.")
+              "Q4_0/Q4_1 repacked bit for bit into int4), or w8a8 (int8 with --int8-activations). The embedding "
+              "table and LM head get 8 bits. Default: the weights in --dtype.")
     quantization_group_size: int = _knob(
         32, "Columns per scale of int4 and nf4: 32, 64 or 128 (perplexity of the default model: +0.05%, +30%, +50%).")
     int8_activations: bool = _knob(

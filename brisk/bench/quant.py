@@ -95,7 +95,6 @@ def llama_cpp_row(model_path: str, prompt: list[int], args) -> Row | None:
     llm = Llama(model_path, n_threads=torch.get_num_threads(), n_ctx=2048, n_batch=512, verbose=False)
     best = 0.0
     for _ in range(args.repeats):
-        llm.reset()
         first = None
         for i, _token in enumerate(llm.generate(prompt, temp=0.0, reset=True)):  # never stops at EOS by itself
             if i == 0:
@@ -138,7 +137,7 @@ def main(args) -> None:
         config = dataclasses.replace(base_config, **{**ROW_DEFAULTS, **CONFIGS[label]})
         rows.append(measure(label, config, prompts, args, text_ids))
         print(f"  {label}: done", flush=True)
-    if model_path.endswith(".gguf") and not args.no_llama_cpp:
+    if checkpoint.format == "gguf" and not args.no_llama_cpp:
         row = llama_cpp_row(model_path, prompts[0][:32], args)
         if row is not None:
             rows.append(row)

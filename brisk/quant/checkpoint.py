@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from brisk.model.tokenizer import Tokenizer
-from brisk.quant.formats import GROUP_SIZES, QuantizedTensor
+from brisk.quant.formats import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
 
 QUANT_METHOD = "brisk"  # config.json's quantization_config.quant_method for folders written here
 _METADATA_KEY = "brisk_quantized"
@@ -51,7 +51,7 @@ class QuantizedLayout:
         return {"quant_method": QUANT_METHOD, "format": self.method, "group_size": self.group_size}
 
     def __str__(self) -> str:
-        return f"{self.method}, groups of {self.group_size}" if self.method in ("int4", "nf4") else self.method
+        return f"{self.method}, groups of {self.group_size}" if self.method in GROUPED_FORMATS else self.method
 
 
 def write_folder(out: str, config: dict, layout: QuantizedLayout, tokenizer: Tokenizer,
@@ -88,14 +88,16 @@ def load_weights(files: list[Path], dtype: torch.dtype, device: torch.device
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             layouts = json.loads((f.metadata() or {}).get(_METADATA_KEY, "{}"))
             parts_of = {f"{name}.{part}" for name in layouts for part in _PARTS}
-            for name in f.keys():
+            names = f.keys()
+            stored = set(names)
+            for name in names:
                 if name not in parts_of:
                     yield name, f.get_tensor(name).to(dtype)
             for name, layout in layouts.items():
                 if layout["group_size"] not in GROUP_SIZES:
                     raise ValueError(f"{file.name}: {name} has group size {layout['group_size']}, "
                                      f"not one of {GROUP_SIZES}")
-                data, scales, mins = (f.get_tensor(f"{name}.{part}") if f"{name}.{part}" in f.keys() else None
+                data, scales, mins = (f.get_tensor(f"{name}.{part}") if f"{name}.{part}" in stored else None
                                       for part in _PARTS)
                 yield name, QuantizedTensor(layout["format"], tuple(layout["shape"]), data, scales, mins,
                                             layout["group_size"])

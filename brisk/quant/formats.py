@@ -30,6 +30,7 @@ import torch
 
 BLOCK = 32
 GROUP_SIZES = (32, 64, 128)
+GROUPED_FORMATS = ("int4", "nf4")  # a scale per group of GROUP_SIZES columns; the others per row or block
 # The 16 quantiles of N(0, 1), normalized to [-1, 1]: bitsandbytes' NF4 table (functional.py).
 NF4_VALUES = torch.tensor([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -97,7 +98,7 @@ def quantize(weight: torch.Tensor, method: str, group_size: int = 32) -> Quantiz
     """A float [rows, cols] matrix in `method` (int8, fp8, int4 or nf4), rounded to nearest."""
     if method not in _QUANTIZERS:
         raise ValueError(f"cannot quantize to {method!r}: choose one of {', '.join(_QUANTIZERS)}")
-    if method in ("int4", "nf4") and group_size not in GROUP_SIZES:
+    if method in GROUPED_FORMATS and group_size not in GROUP_SIZES:
         raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
     if weight.dim() != 2:
         raise ValueError(f"only matrices can be quantized, got shape {tuple(weight.shape)}")
