@@ -3,6 +3,7 @@
 from brisk.config import EngineConfig
 from brisk.engine.output import CompletionOutput, RequestOutput
 from brisk.llm import LLM
+from brisk.sample.grammar import StructuredOutputs
 from brisk.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput", "CompletionOutput"]

@@ -56,6 +56,13 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(sm)
     sm.set_defaults(func=_main_of("brisk.bench.sampling"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    so = kinds.add_parser("structured", help="JSON-schema outputs vs free text on the same batch")
+    so.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    so.add_argument("--output-len", type=int, default=64)
+    so.add_argument("--rounds", type=int, default=5)
+    add_engine_arguments(so)
+    so.set_defaults(func=_main_of("brisk.bench.structured"), dtype="float32", kv_cache_memory_gib=2.0)
+
     st = kinds.add_parser("step", help="where a decode step's time goes: matmuls, attention, the rest")
     st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     st.add_argument("--steps", type=int, default=100)

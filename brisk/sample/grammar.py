@@ -136,7 +136,10 @@ class GrammarCompiler:
     @cached_property
     def _tokenizer(self) -> LLTokenizer:
         """The token trie llguidance walks: about 0.3 s for a 49k vocabulary, so built on first use."""
-        return LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None)
+        try:
+            return LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None)
+        except ValueError as exc:  # llguidance reads byte-level BPE, SentencePiece and similar; not WordPiece
+            raise ValueError(f"structured outputs are not available for this model's tokenizer: {exc}") from exc
 
     @cached_property
     def _executor(self) -> LLExecutor:

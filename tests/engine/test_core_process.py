@@ -228,3 +228,25 @@ def _gone(process: psutil.Process, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@pytest.mark.real_model
+def test_structured_outputs_cross_the_socket(real_model_path):
+    """The constraint is pickled to the core, which compiles it there: the answer is one choice."""
+    engine = ProcessEngine(EngineConfig(model=real_model_path, dtype="float32", kv_cache_memory_gib=0.25,
+                                        max_model_len=512))
+    try:
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Is the sky blue?"}])
+        params = SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=8, output_kind=OutputKind.FINAL_ONLY,
+                                structured_outputs=brisk.StructuredOutputs(choice=["yes", "no"]))
+
+        async def final():
+            async for output in engine.generate(ids, params, "choice"):
+                pass
+            return output
+
+        output = asyncio.run(final())
+        assert [(c.text, c.finish_reason) for c in output.outputs] in \
+            [[(a, "stop"), (b, "stop")] for a in ("yes", "no") for b in ("yes", "no")]
+    finally:
+        engine.shutdown()

@@ -111,9 +111,8 @@ def test_choices_regexes_and_grammars_on_the_real_model(real_llm):
     cases = [(StructuredOutputs(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
              (StructuredOutputs(regex=r"\d{3}-\d{4}"), lambda t: len(t) == 8 and t[3] == "-" and
               (t[:3] + t[4:]).isascii() and (t[:3] + t[4:]).isdigit()),
-             (StructuredOutputs(grammar=gbnf), lambda t: t in ("The answer is yes.", "The answer is no.")),
-             (StructuredOutputs(json_object=True), lambda t: isinstance(json.loads(t), dict))]
-    params = [SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=120, structured_outputs=s) for s, _ in cases]
+             (StructuredOutputs(grammar=gbnf), lambda t: t in ("The answer is yes.", "The answer is no."))]
+    params = [SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=30, structured_outputs=s) for s, _ in cases]
     for (_, check), output in zip(cases, real_llm.chat([prompt] * len(cases), params, use_tqdm=False)):
         for completion in output.outputs:
             assert completion.finish_reason == "stop" and check(completion.text), completion.text

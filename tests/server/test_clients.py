@@ -471,23 +471,6 @@ def test_langchain_tool_call_history(chat, tools):
     assert second.content or second.tool_calls
 
 
-def test_openai_client_tool_call_shape(base_url):
-    """The wire shape LangChain and litellm rely on, through the official client."""
-    import openai
-
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city.",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                            "required": ["city"]}}}
-    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": WEATHER}],
-                                              tools=[tool], tool_choice="required", temperature=0, max_tokens=64)
-    choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    [call] = choice.message.tool_calls[:1]
-    assert call.type == "function" and call.id and call.function.name == "get_weather"
-    assert isinstance(call.function.arguments, str) and isinstance(json.loads(call.function.arguments)["city"], str)
-
-
 # ----- the bodies the clients send ---------------------------------------------------------------
 CLIENT_REQUESTS = json.loads((DATA / "client_requests.json").read_text())
 
