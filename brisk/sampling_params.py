@@ -10,12 +10,15 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
+from brisk.sample.grammar import StructuredOutputs
+
 # Below this temperature sampling is greedy (as in vLLM): dividing logits by a temperature this
 # small overflows fp32 and turns the distribution into NaNs.
 GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # as vLLM and torch accept them; sampling uses the low 64 bits
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
 
 
 class SamplingError(ValueError):
@@ -66,6 +69,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputs | None = None  # a grammar every output must match
     output_kind: OutputKind = OutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
@@ -76,6 +81,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except (TypeError, ValueError) as exc:
+                raise SamplingError("structured_outputs", str(exc)) from exc
         self._validate()
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
@@ -109,6 +119,19 @@ class SamplingParams:
                 raise SamplingError(name, f"{message}, got {getattr(self, name)!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise SamplingError("min_tokens", "cannot be combined with structured outputs: a grammar may end "
+                                              "before min_tokens, and then only EOS is allowed")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise SamplingError("logit_bias", f"keys must be non-negative token ids, got {token!r}")
+            if not (isinstance(bias, (int, float)) and low <= bias <= high):
+                raise SamplingError("logit_bias", f"values must be numbers in [{low:g}, {high:g}], got {bias!r} "
+                                                  f"for token {token}")
 
     @property
     def greedy(self) -> bool:
@@ -117,9 +140,10 @@ class SamplingParams:
     def validate_for_model(self, vocab_size: int) -> "SamplingParams":
         """Checks that need the model; returns the params to run with (top_k past the vocabulary
         means no top-k), leaving the caller's object as it was."""
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise SamplingError("stop_token_ids", f"ids {bad[:5]} are outside the vocabulary of {vocab_size}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise SamplingError(name, f"ids {bad[:5]} are outside the vocabulary of {vocab_size}")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(self, name) or 0) > vocab_size:
                 raise SamplingError(name, f"must be <= the vocabulary size {vocab_size}, got {getattr(self, name)}")

@@ -22,7 +22,8 @@ from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
 from brisk.model.loader import load_model, open_checkpoint
-from brisk.sampling_params import SamplingParams
+from brisk.sample.grammar import Grammar, GrammarCompiler
+from brisk.sampling_params import SamplingError, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -46,6 +47,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer.backend, self.spec.vocab_size, self.tokenizer.eos_token_ids)
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
 
@@ -85,6 +87,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 child_index=i,
                 sampling_seed=seed,
+                grammar=self._grammar(params),
             ))
         self.output_processor.add(request_id, text, children)
         for child in children:
@@ -103,6 +106,15 @@ class LLMEngine:
     def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises SamplingError naming what is wrong; returns the params to run the request with."""
         return validate_request(token_ids, params, self.spec.vocab_size, self.max_model_len)
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """Each sequence walks its own copy of the request's compiled grammar."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return self.grammars.grammar(params.structured_outputs)
+        except ValueError as exc:
+            raise SamplingError("structured_outputs", str(exc)) from exc
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from brisk.sample.grammar import Grammar
 from brisk.sampling_params import SamplingError, SamplingParams
 
 
@@ -69,6 +70,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     sampling_seed: int = 0  # the sequence's random stream (sample/random.py): params.seed or drawn by the engine
+    grammar: Grammar | None = None  # structured outputs: where this sequence is in its grammar
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,12 +107,15 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self._check_stop(token_id)
 
     def _check_stop(self, token_id: int) -> None:
         """Stop conditions that need only token ids; stop strings are checked after detokenizing.
 
         EOS and stop ids do not count before min_tokens are out (the sampler also masks them).
+        A sequence whose grammar is complete stops: the grammar allows nothing more but EOS.
         """
         if self.num_output_tokens >= self.params.min_tokens:
             if not self.params.ignore_eos and token_id in self.eos_token_ids:
@@ -120,5 +125,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = token_id
                 return
-        if self.num_tokens >= self.max_total_tokens:
+        if self.grammar is not None and self.grammar.is_finished:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.num_tokens >= self.max_total_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

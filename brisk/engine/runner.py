@@ -150,4 +150,4 @@ class ModelRunner:
 
 def _sampling_row(request: Request) -> SamplingRow:
     return SamplingRow(request.params, request.token_ids, request.num_prompt_tokens, request.eos_token_ids,
-                       request.sampling_seed)
+                       request.sampling_seed, request.grammar)

@@ -72,11 +72,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders tool definitions itself (it reads `tools`)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return self._compiled_template.render(
-            messages=messages, tools=None, documents=None,
+            messages=messages, tools=tools, documents=None,
             add_generation_prompt=add_generation_prompt, **self.special_tokens,
         )
 

@@ -1,7 +1,8 @@
 """Logits -> next tokens for a whole batch at once, each row with its own sampling params.
 
 Order of operations (as in vLLM): raw logprobs are taken first (what `logprobs` reports),
-then penalties and min_tokens bans (only on the rows that have them), then one call samples
+then logit biases, penalties, min_tokens bans and grammar masks (each only on the rows that
+have it; sample/grammar.py makes the masks), then one call samples
 every row: greedy rows take the argmax, the others go through temperature, min_p, top-k and
 top-p, then an inverse-CDF draw with one uniform per row.
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.sample.grammar import Grammar, apply_bitmask, fill_bitmask
 from brisk.sample.logprobs import RankedLogprobs, rank_targets
 from brisk.sample.penalties import Penalties, uses_penalties
 from brisk.sample.random import to_int64, uniforms
@@ -50,6 +52,7 @@ class SamplingRow:
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # the sequence's random stream: params.seed, or one the engine drew for it
+    grammar: Grammar | None = None  # structured outputs: the tokens allowed next come from here
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -81,6 +84,9 @@ class SamplingBatch:
     penalties: Penalties | None  # for the rows penalty_rows only
     penalty_rows: torch.Tensor | None  # [P] int64
     bans: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids): EOS/stop ids held back until min_tokens
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values): logit_bias
+    grammar_rows: torch.Tensor | None  # [G] int64: the rows with a grammar
+    bitmask: torch.Tensor | None  # [G, ceil(V/32)] int32: their allowed tokens
     num_logprobs: int | None  # most top logprobs any row asked for; None if none asked
 
     @classmethod
@@ -92,6 +98,7 @@ class SamplingBatch:
 
         penalized = [i for i, p in enumerate(params) if uses_penalties(p)]
         all_greedy = all(p.greedy for p in params)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         return cls(
             temperature=column([0.0 if p.greedy else p.temperature for p in params]),
             top_k=column([p.top_k for p in params], torch.long),
@@ -105,6 +112,9 @@ class SamplingBatch:
             if penalized else None,
             penalty_rows=column(penalized, torch.long) if penalized else None,
             bans=_min_tokens_bans(rows, device),
+            biases=_logit_biases(params, device),
+            grammar_rows=column(constrained, torch.long) if constrained else None,
+            bitmask=fill_bitmask([rows[i].grammar for i in constrained], vocab_size) if constrained else None,
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
@@ -113,11 +123,16 @@ class SamplingBatch:
         return self.uniforms is None
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and bans, in place on the rows that have them."""
+        """Biases, penalties, bans and grammar masks, in place on the rows that have them."""
+        if self.biases is not None:
+            rows, token_ids, values = self.biases
+            logits.index_put_((rows, token_ids), values, accumulate=True)
         if self.penalty_rows is not None:
             logits[self.penalty_rows] = self.penalties.apply(logits[self.penalty_rows])
         if self.bans is not None:
             logits[self.bans] = float("-inf")
+        if self.grammar_rows is not None:
+            apply_bitmask(logits, self.grammar_rows, self.bitmask)
         return logits
 
 
@@ -174,6 +189,16 @@ def _top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     edge_index = (cumulative < goal).sum(dim=-1, keepdim=True).clamp_max(weights.shape[-1] - 1)
     edge = torch.where(top_p.unsqueeze(1) < 1, ordered.gather(1, edge_index), 0.0)
     return weights.masked_fill(weights < edge, 0.0)
+
+
+def _logit_biases(params: list[SamplingParams],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    triples = [(i, token, bias) for i, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+    if not triples:
+        return None
+    rows, token_ids, values = zip(*triples)
+    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(token_ids, dtype=torch.long, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def _min_tokens_bans(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -64,6 +64,9 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     location = [str(part) for part in first.get("loc", ()) if part != "body" and _FIELD.match(str(part))]
     if first.get("type") == "json_invalid":
         message = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+    elif first.get("type") == "extra_forbidden":
+        message = (f"Unsupported field `{'.'.join(location)}`: brisk does not implement it, and ignoring it "
+                   f"would silently change the answer (the README's 'Request fields' lists what is accepted).")
     else:
         where = ".".join(location) or "body"
         message = f"{where}: {first.get('msg', 'invalid value')}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -17,9 +18,10 @@ from fastapi.responses import JSONResponse, Response
 
 from brisk.engine.output import CompletionOutput, RequestOutput
 from brisk.sample.logprobs import TokenLogprobs
-from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.errors import APIError
+from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, sse
+from brisk.server.tools import ToolCallParser, parse_tool_calls, template_messages, tool_grammar
 
 
 def openai_router(serving: Serving) -> APIRouter:
@@ -55,23 +57,44 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
         serving.check_model(body.model)
-        prompt_ids = await serving.render_chat([m.as_template_message() for m in body.messages],
-                                               body.add_generation_prompt)
-        params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"))
+        tokenizer = serving.engine.tokenizer
+        knows_tools = tokenizer.template_knows_tools
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and knows_tools else None
+        prompt_ids = await serving.render_chat(template_messages(body, knows_tools), body.add_generation_prompt,
+                                               tools)
+        constraint, forced = body.structured_outputs_spec(), tool_grammar(body)
+        if constraint is not None and forced is not None:
+            raise APIError(400, "tool_choice forces a tool call, which cannot be combined with response_format or "
+                                "another output constraint.", param="tool_choice")
+        params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
+                                      constraint or forced)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await serving.submit([prompt_ids], [params], request_id)
+        streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt)
         created = int(time.time())
+        tool_names = {t.function.name for t in body.tools or []} if body.tool_choice != "none" else set()
         if body.stream:
-            return sse(self._chat_stream(body, streams[0], request_id, created))
+            return sse(self._chat_stream(body, streams[0], request_id, created, tool_names))
         finals = await serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)
         final = finals[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.logprobs, body.top_logprobs) if body.logprobs else None,
-                    "finish_reason": c.finish_reason} for c in final.outputs]
-        return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
-                             "model": self.model_name, "choices": choices, "usage": _usage([final])})
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if tool_names:
+                content, calls = parse_tool_calls(c.text, tool_names)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [call.as_openai() for call in calls]
+                    finish_reason = _tool_finish(finish_reason)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": _chat_logprobs(c.logprobs, body.top_logprobs) if body.logprobs else None,
+                            "finish_reason": finish_reason})
+        response = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": _usage([final])}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(final.prompt_logprobs)
+        return JSONResponse(response)
 
     def _chunker(self, body, object_name: str, request_id: str, created: int):
         """Builds the stream's chunks; with include_usage every chunk carries `usage` (null until the last)."""
@@ -85,9 +108,9 @@ class OpenAIServing:
         return chunk
 
     async def _chat_stream(self, body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput],
-                           request_id: str, created: int) -> AsyncIterator[dict]:
+                           request_id: str, created: int, tool_names: set[str]) -> AsyncIterator[dict]:
         chunk = self._chunker(body, "chat.completion.chunk", request_id, created)
-
+        parsers = {i: ToolCallParser(tool_names) for i in range(body.n)} if tool_names else {}
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
         completion_tokens, last = 0, None
@@ -96,10 +119,16 @@ class OpenAIServing:
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                choices.append({"index": c.index, "delta": {"content": c.text} if c.text else {},
+                delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason
+                if parsers:
+                    delta, finish_reason = _tool_delta(parsers[c.index], c.text, finish_reason)
+                    if not delta and finish_reason is None and not body.logprobs:
+                        continue  # the text went into a tool call still being written
+                choices.append({"index": c.index, "delta": delta,
                                 "logprobs": _chat_logprobs(c.logprobs, body.top_logprobs) if body.logprobs else None,
-                                "finish_reason": c.finish_reason})
-            yield chunk(choices)
+                                "finish_reason": finish_reason})
+            if choices:
+                yield chunk(choices)
         if body.include_usage and last is not None:
             yield chunk([], _usage_counts(len(last.prompt_token_ids), completion_tokens, last.num_cached_tokens))
 
@@ -107,43 +136,136 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         serving = self.serving
         serving.check_model(body.model)
+        body.check_best_of()
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
         for i, ids in zip(texts, await serving.tokenize([prompts[i] for i in texts], "prompt")):
             prompts[i] = ids
-        params = [body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(ids), "prompt"))
+        constraint = body.structured_outputs_spec()
+        requested = 1 if body.scores_only else body.requested_max_tokens()  # one token made, then dropped
+        params = [body.sampling_params(serving.max_tokens(requested, len(ids), "prompt"), constraint)
                   for ids in prompts]
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await serving.submit(prompts, params, base_id)
+        streams = await serving.submit(prompts, params, base_id, body.cache_salt)
         created = int(time.time())
         if body.stream:
             return sse(self._completion_stream(body, streams, base_id, created))
         finals = await serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)
-        choices = [_completion_choice(i * body.n + c.index, c, body.logprobs)
+        choices = [self._completion_choice(body, i * body.n + c.index, final, c)
                    for i, final in enumerate(finals) for c in final.outputs]
+        usage = _usage(finals)
+        if body.scores_only:
+            usage = _usage_counts(usage["prompt_tokens"], 0, usage["prompt_tokens_details"]["cached_tokens"])
         return JSONResponse({"id": base_id, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": _usage(finals)})
+                             "choices": choices, "usage": usage})
 
     async def _completion_stream(self, body: CompletionRequest, streams: Streams, base_id: str,
                                  created: int) -> AsyncIterator[dict]:
         chunk = self._chunker(body, "text_completion", base_id, created)
-
+        echoed: set[tuple[int, int]] = set()  # (prompt, completion) pairs whose prompt went out
+        prompt_logprobs: dict[int, list] = {}  # per prompt: they come with its first output only
         prompt_tokens, completion_tokens, cached = 0, 0, 0
         async for i, out in merge(streams):
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
+            out = replace(out, prompt_logprobs=prompt_logprobs.get(i))
             choices = []
             for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                choices.append(_completion_choice(i * body.n + c.index, c, body.logprobs))
+                first = (i, c.index) not in echoed
+                echoed.add((i, c.index))
+                if not body.scores_only:
+                    completion_tokens += len(c.token_ids)
+                choices.append(self._completion_choice(body, i * body.n + c.index, out, c, first))
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
                 cached += out.num_cached_tokens
             yield chunk(choices)
         if body.include_usage:
             yield chunk([], _usage_counts(prompt_tokens, completion_tokens, cached))
+
+    def _completion_choice(self, body: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
+                           first: bool = True) -> dict:
+        """One choice (or, streamed, one chunk of it: `first` is its first). With echo, the prompt
+        and its logprobs come before the completion; with max_tokens=0 the one token generated to
+        run the request is left out."""
+        echo = body.echo and first
+        text, logprobs = ("", None) if body.scores_only else (c.text, c.logprobs)
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+        prompt_entries: list = []
+        if echo:
+            choice["text"] = self._prompt_text(out) + text
+            prompt_entries = self._echoed_prompt(out) if body.logprobs is not None else []
+        if body.logprobs is not None and (logprobs is not None or prompt_entries):
+            choice["logprobs"] = _completion_logprobs(prompt_entries + [_chosen(e) for e in logprobs or []],
+                                                      body.logprobs)
+        if first and body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
+        return choice
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.serving.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _echoed_prompt(self, out: RequestOutput) -> list[tuple[str, float | None, TokenLogprobs | None]]:
+        """(token text, logprob, entry) per prompt token; the first has no logprob (nothing predicts it)."""
+        first = self.serving.engine.tokenizer.id_to_token(out.prompt_token_ids[0])
+        entries = [(first, None, None)]
+        for token_id, entry in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [None])[1:]):
+            chosen = entry[token_id]
+            entries.append((chosen.decoded_token or "", chosen.logprob, entry))
+        return entries
+
+
+# ----- helpers --------------------------------------------------------------------------------
+def _tool_finish(reason: str | None) -> str | None:
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _tool_delta(parser: ToolCallParser, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    content, calls = parser.feed(text)
+    if finish_reason is not None:
+        content += parser.finish()
+        if parser.calls:
+            finish_reason = _tool_finish(finish_reason)
+    delta = {"content": content} if content else {}
+    if calls:
+        first = len(parser.calls) - len(calls)
+        delta["tool_calls"] = [call.as_openai(first + k) for k, call in enumerate(calls)]
+    return delta, finish_reason
+
+
+def _chosen(entry: TokenLogprobs) -> tuple[str, float | None, TokenLogprobs]:
+    chosen = next(iter(entry.values()))  # the sampled token comes first
+    return chosen.decoded_token or "", chosen.logprob, entry
+
+
+def _completion_logprobs(positions: list[tuple[str, float | None, TokenLogprobs | None]], k: int) -> dict:
+    """OpenAI's completions shape: parallel lists of tokens, their logprobs, the top k at each
+    position (null where there is no prediction, i.e. the first prompt token) and text offsets."""
+    offsets, position = [], 0
+    for token, _, _ in positions:
+        offsets.append(position)
+        position += len(token)
+    return {"tokens": [token for token, _, _ in positions],
+            "token_logprobs": [logprob for _, logprob, _ in positions],
+            "top_logprobs": [None if entry is None else {lp.decoded_token or "": lp.logprob for lp in _ranked(entry, k)}
+                             for _, _, entry in positions],
+            "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(entries: list[TokenLogprobs | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: {logprob,
+    rank, decoded_token}} holding the prompt token and the top k."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                                    "decoded_token": lp.decoded_token}
+                                    for token_id, lp in e.items()} for e in entries]
 
 
 # ----- helpers --------------------------------------------------------------------------------
@@ -176,20 +298,3 @@ def _chat_logprobs(logprobs: list[TokenLogprobs] | None, top: int | None) -> dic
         chosen = next(iter(entry.values()))  # the sampled token comes first
         content.append({**item(chosen), "top_logprobs": [item(lp) for lp in _ranked(entry, top or 0)]})
     return {"content": content}
-
-
-def _completion_choice(index: int, c: CompletionOutput, num_logprobs: int | None) -> dict:
-    logprobs = None
-    if num_logprobs is not None and c.logprobs is not None:
-        chosen = [next(iter(entry.values())) for entry in c.logprobs]
-        tokens = [lp.decoded_token or "" for lp in chosen]
-        offsets, position = [], 0
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in chosen],
-                    "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in _ranked(e, num_logprobs)}
-                                     for e in c.logprobs],
-                    "text_offset": offsets}
-    return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
-

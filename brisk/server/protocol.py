@@ -1,9 +1,10 @@
 """Request bodies of the HTTP API, validated by pydantic at the edge.
 
-OpenAI's shapes for /v1/chat/completions and /v1/completions, plus the sampling fields vLLM
-adds (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, ...), and brisk's own
-/v1/generate endpoints. Fields OpenAI defines but brisk ignores (user, logit_bias, ...) are
-accepted, as OpenAI's API accepts them; a value brisk cannot honour is rejected with 400.
+OpenAI's shapes for /v1/chat/completions and /v1/completions, plus the extras vLLM adds that
+brisk implements, and brisk's own /v1/generate endpoints. Nothing is silently ignored: a field
+brisk does not implement is a 400 naming it (`extra="forbid"` everywhere), except the few in
+IGNORED_FIELDS, which clients send routinely and which change nothing in the output. The
+README's "Request fields" section lists the three groups.
 
 Limits that protect the server live here too: at most 128 completions (`n`, OpenAI's own
 limit) and 128 prompts per request, and no text with unpaired UTF-16 surrogates (JSON can
@@ -13,14 +14,18 @@ carry "\\ud800", but no tokenizer or UTF-8 encoder can take it).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
+from brisk.sample.grammar import StructuredOutputs
+from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
 
 MAX_N = 128  # completions per request, as OpenAI allows
 MAX_PROMPTS = 128  # prompts per /v1/completions or /v1/generate/batch request
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows for chat
+# Accepted and ignored: bookkeeping for OpenAI's own platform, which changes nothing here.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -31,14 +36,16 @@ def _no_surrogates(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_no_surrogates)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; every chunk carries usage anyway when include_usage is on
 
 
 class TextPart(_Body):
@@ -46,15 +53,72 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # a JSON object, as text
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool turn: which call this is the result of
 
-    def as_template_message(self) -> dict:
+    @property
+    def text(self) -> str:
         """Content parts are joined into one string, which is what the chat templates expect."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content}
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # arguments always match `parameters` here, strict or not
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always matches the schema here (objects closed), strict or not
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Body):
@@ -67,10 +131,16 @@ class _SamplingFields(_Body):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: Text | None = None
+    logit_bias: dict[int, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM's extra sampling fields
+    response_format: ResponseFormat | None = None
+    # OpenAI platform bookkeeping: accepted, no effect (IGNORED_FIELDS)
+    user: Text | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: Text | None = None
+    # vLLM's extra fields
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -79,6 +149,13 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Logprobs | None = None
+    cache_salt: Text | None = None  # prefix-cache entries are shared only between requests with the same salt
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -86,28 +163,69 @@ class _SamplingFields(_Body):
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def sampling_params(self, max_tokens: int, structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=self.num_logprobs(), skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens, logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias, structured_outputs=structured_outputs,
             output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
         )
+
+    def structured_outputs_spec(self) -> StructuredOutputs | None:
+        """The one constraint the request sets (response_format, structured_outputs or a guided_*
+        field), compiled; None for free text. Setting two is a 400."""
+        given = {name: getattr(self, name) for name in ("response_format", "structured_outputs", "guided_json",
+                                                         "guided_regex", "guided_choice", "guided_grammar")}
+        given = {name: value for name, value in given.items() if value is not None}
+        if given.get("response_format") is not None and given["response_format"].type == "text":
+            del given["response_format"]
+        if len(given) > 1:
+            raise SamplingError(list(given)[1], f"only one output constraint may be set, got {', '.join(given)}")
+        if not given:
+            return None
+        [(name, value)] = given.items()
+        try:
+            return StructuredOutputs(**_constraint(name, value))
+        except ValueError as exc:
+            raise SamplingError(name, str(exc)) from exc
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _constraint(name: str, value: Any) -> dict[str, Any]:
+    """StructuredOutputs' keywords for the request field `name` set to `value`."""
+    if name == "response_format":
+        if value.type == "json_object":
+            return {"json_object": True}
+        if value.json_schema is None or value.json_schema.json_schema is None:
+            raise ValueError("a json_schema response format needs json_schema.schema")
+        return {"json": value.json_schema.json_schema}
+    if name == "structured_outputs":
+        fields = value.model_dump(by_alias=True, exclude_none=True)
+        if fields.get("json_object") is False:
+            del fields["json_object"]
+        return fields
+    return {name.removeprefix("guided_"): value}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    top_logprobs: Logprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True  # vLLM's
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -120,11 +238,29 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | list[int] | \
         Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False  # echoing the prompt back is not supported
+    logprobs: Logprobs | None = None
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Echo with logprobs scores the prompt too (how lm-eval computes loglikelihoods)."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return echoed if echoed is not None else self.prompt_logprobs
+        return max(echoed, self.prompt_logprobs)
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens=0: the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def check_best_of(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise SamplingError("best_of", f"is supported only equal to n ({self.n}): brisk returns every completion "
+                                           f"it generates, got {self.best_of}")
 
     def prompts(self) -> list[str | list[int]]:
         """The one or many prompts, each text or token ids."""

@@ -60,12 +60,13 @@ class Serving:
                 prompt.append(bos)
         return ids
 
-    async def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+    async def render_chat(self, messages: list[Message], add_generation_prompt: bool,
+                          tools: list[dict] | None = None) -> list[int]:
         """The conversation's token ids, rendered and tokenized on a worker thread (see tokenize)."""
         tokenizer = self.engine.tokenizer
 
         def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
             return tokenizer.encode_batch([text], add_special_tokens=False)[0]
 
         try:
@@ -89,7 +90,8 @@ class Serving:
         if requested is None:
             return room
         if requested < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+            raise APIError(400, f"max_tokens must be at least 1 (0 only with echo, to score a prompt), got "
+                                f"{requested}.", param="max_tokens")
         if requested > room:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                 f"requested {prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, "

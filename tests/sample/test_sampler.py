@@ -124,7 +124,8 @@ def test_kernel_follows_the_torch_formulation_token_for_token():
         top_p=mixed(1.0, torch.rand(rows, generator=g) * 0.99 + 0.01),
         min_p=mixed(0.0, torch.rand(rows, generator=g) * 0.5),
         uniforms=uniforms(torch.arange(rows), torch.zeros(rows, dtype=torch.long)),
-        penalties=None, penalty_rows=None, bans=None, num_logprobs=None)
+        penalties=None, penalty_rows=None, bans=None, biases=None, grammar_rows=None, bitmask=None,
+        num_logprobs=None)
     batch.top_k, batch.top_p, batch.min_p = batch.top_k.long(), batch.top_p.float(), batch.min_p.float()
     kernel = cpu_kernels.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
                                      batch.uniforms)
