@@ -21,11 +21,12 @@ from pydantic import Field
 
 from brisk.model.tokenizer import continue_final_message
 from brisk.server.errors import APIError
-from brisk.server.protocol import ChatMessage, Text, _Body
+from brisk.server.protocol import ChatCompletionRequest, ChatMessage, Text, Tool, _Body
 from brisk.server.serving import Serving
+from brisk.server.tools import template_messages
 
 BRISK_VERSION = version("brisk")
-_CHAT_ONLY = ("add_generation_prompt", "continue_final_message")
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "tools")
 
 
 class TokenizeRequest(_Body):
@@ -35,6 +36,7 @@ class TokenizeRequest(_Body):
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered into the prompt as /v1/chat/completions does
     # Default: true for a prompt; false for messages, whose template writes the special tokens itself.
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -85,11 +87,14 @@ class TokenizerAPI:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: send "
                                 "add_generation_prompt: false to continue the final message.",
                            param="continue_final_message")
-        messages = [m.as_template_message() for m in body.messages]
+        # The prompt /v1/chat/completions would build from these messages and tools, so counts agree.
         tokenizer = self.tokenizer
+        knows_tools = tokenizer.template_knows_tools
+        messages = template_messages(ChatCompletionRequest(messages=body.messages, tools=body.tools), knows_tools)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and knows_tools else None
 
         def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools)
             if body.continue_final_message:
                 text = continue_final_message(text, messages)
             return tokenizer.encode_batch([text], add_special_tokens=bool(body.add_special_tokens))[0]

@@ -17,6 +17,14 @@ TEXTS = ["The capital of France is", "Hello,  world! It's a test .", "hÃ©llo ðŸ˜
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
         {"role": "assistant", "content": "Hello, how"}]
 ROOT = "SmolLM2-135M-Instruct.Q4_1"  # the checkpoint's file name
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."}]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +39,8 @@ def offline_expectations(real_llm):
         "chat": tok.encode_chat(CHAT[:2]), "chat_closed": tok.encode_chat(CHAT, add_generation_prompt=False),
         # continuing the assistant's message: the prompt for a reply, then the message's own tokens, unclosed
         "chat_continued": tok.encode_chat(CHAT[:2]) + tok.encode(CHAT[2]["content"], add_special_tokens=False),
-        "chat_template": tok.chat_template, "eos_id": tok.eos_token_id,
+        "chat_template": tok.chat_template, "chat_text": tok.apply_chat_template(CHAT[:2]),
+        "eos_id": tok.eos_token_id, "bos_id": tok.bos_token_id,
     }
 
 
@@ -96,6 +105,17 @@ def test_tokenize_messages_renders_the_chat_template(http, offline_expectations)
     assert len(closed["tokens"]) > len(continued["tokens"])  # the closing <|im_end|>\n is left off
 
 
+@pytest.mark.parametrize("tools", [None, [WEATHER]])
+def test_tokenize_counts_the_prompt_chat_completions_builds(http, client, tools):
+    """Tools and tool turns included: /tokenize's count is the usage's prompt_tokens."""
+    extra = {"tools": tools} if tools else {}
+    count = http.post("/tokenize", json={"messages": TOOL_TURNS, **extra}).json()["count"]
+    usage = client.chat.completions.create(model="smollm2", messages=TOOL_TURNS, max_tokens=1, **extra).usage
+    assert count == usage.prompt_tokens
+    if tools:  # the definitions are in the prompt
+        assert count > http.post("/tokenize", json={"messages": TOOL_TURNS}).json()["count"] + 20
+
+
 def test_detokenize_gives_the_text_back_special_tokens_included(http, offline_expectations):
     for ids, text in zip(offline_expectations["ids"], offline_expectations["texts_back"]):
         assert http.post("/detokenize", json={"model": "smollm2", "tokens": ids}).json() == {"prompt": text}
@@ -113,6 +133,8 @@ def test_detokenize_rejects_ids_outside_the_vocabulary(http, token):
     ({"prompt": "hi", "messages": CHAT}, "prompt"),  # one form or the other
     ({"add_special_tokens": True}, "prompt"),
     ({"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt"),  # a chat field on a prompt
+    ({"prompt": "hi", "tools": [WEATHER]}, "tools"),
+    ({"messages": CHAT, "chat_template_kwargs": {}}, "chat_template_kwargs"),  # vLLM's, not brisk's
     ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": "maybe"}, "add_special_tokens"),
@@ -137,17 +159,21 @@ def test_tokenizer_info_has_the_tokenizer_config(http, offline_expectations):
     assert info["added_tokens_decoder"]["2"] == "<|im_end|>" and len(info["added_tokens_decoder"]) == 17
 
 
-def test_lm_eval_remote_tokenizer_finds_what_it_needs(http, offline_expectations):
-    """The calls lm-evaluation-harness makes (lm_eval/utils.py: check_remote_tokenizer_support, then
-    RemoteTokenizer) to use the server's tokenizer: /tokenizer_info must have `eos_token`;
-    /tokenize {prompt, add_special_tokens: false} gives `tokens`, its eos id the first of encode(eos);
-    /detokenize {tokens} gives `prompt`; the chat template comes from /tokenizer_info."""
-    info = http.get("/tokenizer_info").json()
-    assert "eos_token" in info and isinstance(info["chat_template"], str)
-    encode = [http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
-              for text in ("test", info["eos_token"], info["bos_token"])]
-    assert encode[0] and encode[1] == [offline_expectations["eos_id"]] and len(encode[2]) == 1
-    assert http.post("/detokenize", json={"tokens": encode[0]}).json()["prompt"] == "test"
+def test_lm_eval_tokenizes_through_the_server(base_url, offline_expectations):
+    """lm-evaluation-harness's local-completions chooses its tokenizer itself: when /tokenizer_info
+    has `eos_token` and /tokenize {prompt, add_special_tokens: false} answers `tokens`, it uses the
+    server's (lm_eval.utils.RemoteTokenizer: /tokenize, /detokenize, and the eos and bos tokens and
+    the chat template read from /tokenizer_info), so it needs no tokenizer of its own."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    expected = offline_expectations
+    lm = LocalCompletionsAPI(model="smollm2", base_url=f"{base_url}/v1/completions")
+    assert lm.tokenizer_backend == "remote"
+    assert [lm.tok_encode(text) for text in TEXTS] == expected["ids_plain"]
+    assert lm.decode_batch(expected["ids_plain"]) == TEXTS
+    assert (lm.eot_token_id, lm.prefix_token_id) == (expected["eos_id"], expected["bos_id"])
+    assert lm.tokenizer.apply_chat_template(CHAT[:2]) == expected["chat_text"]
 
 
 def test_version_is_the_installed_package_version(http):
