@@ -26,6 +26,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], t
         default = f.default if f.default is not MISSING else None
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif typing.get_origin(kind) is list:  # `--served-model-name a b`
+            group.add_argument(flag, nargs="+", type=typing.get_args(kind)[0], default=default, help=help_text)
         else:
             group.add_argument(flag, type=kind, default=default, help=help_text)
 
@@ -50,13 +52,15 @@ def config_flags(config: EngineConfig | ServerConfig) -> list[str]:
         value, flag = getattr(config, f.name), f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, list):
+            flags += [f"--{flag}", *map(str, value)]
         elif value is not None:
             flags += [f"--{flag}", str(value)]
     return flags
 
 
 def _base_type(hint) -> type:
-    """`int | None` -> int."""
+    """`int | None` -> int, `list[str] | None` -> list[str]."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return next(a for a in typing.get_args(hint) if a is not type(None))
     return hint

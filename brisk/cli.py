@@ -1,4 +1,4 @@
-"""The `brisk` command: generate, chat, serve, quantize, bench, eval.
+"""The `brisk` command: generate, chat, serve, quantize, export-tokenizer, bench, eval.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's, so every command accepts the same options with the same
@@ -108,6 +108,20 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(f"{args.out}: {after / 1e6:.1f} MB ({layout}), {params * 4 / after:.2f}x smaller than float32")
 
 
+def cmd_export_tokenizer(args: argparse.Namespace) -> None:
+    """The model's tokenizer as a Hugging Face folder, for tools that load one with
+    transformers.AutoTokenizer (guidellm, lm-eval) instead of downloading it from the hub."""
+    from brisk.model.loader import open_checkpoint
+
+    if os.path.exists(args.dir) and not (os.path.isdir(args.dir) and not os.listdir(args.dir)):
+        raise ConfigError(f"{args.dir!r} exists and is not an empty folder: choose a new one")
+    checkpoint = open_checkpoint(args.model)
+    os.makedirs(args.dir, exist_ok=True)
+    checkpoint.tokenizer.save(args.dir, model_max_length=checkpoint.spec.max_position_embeddings)
+    print(f"{args.dir}: the tokenizer of {os.path.basename(checkpoint.path)} "
+          f"(load it with transformers.AutoTokenizer.from_pretrained({args.dir!r}))")
+
+
 def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineClient:
     """The engine on a thread of this process, or in a process of its own (--engine-process)."""
     if server_config.engine_process:
@@ -148,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES, help="columns per scale (int4, nf4)")
     quant.add_argument("--out", required=True, help="folder to write (must be new or empty)")
     quant.set_defaults(func=cmd_quantize)
+
+    export = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face tokenizer folder")
+    export.add_argument("dir", help="folder to write (must be new or empty)")
+    export.add_argument("--model", default=None,
+                        help="Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)")
+    export.set_defaults(func=cmd_export_tokenizer)
 
     from brisk.bench.cli import add_bench_parser, add_eval_parser
 

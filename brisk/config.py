@@ -136,7 +136,9 @@ class ServerConfig:
     api_key: str | None = _knob(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
     admin_api_key: str | None = _knob(
         None, "Key for admin routes (DELETE /v1/cache); default: api_key. Without either key they are open.")
-    served_model_name: str | None = _knob(None, "Model id in the API; default: the checkpoint's file name.")
+    served_model_name: list[str] | None = _knob(
+        None, "Model id in the API, or several: the first is the id responses report, and requests naming any "
+              "of them are served (aliases); default: the checkpoint's file name.")
     max_waiting_seqs: int | None = _knob(
         None, "Sequences (n counts n) that may wait for a batch slot before new requests get 429; "
               "default: 8 x max_num_seqs.")
@@ -161,6 +163,14 @@ class ServerConfig:
               "Needs --engine-process.")
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # one name, as ServerConfig(served_model_name="x") reads
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None:
+            if not self.served_model_name or not all(self.served_model_name):
+                raise ConfigError(f"served_model_name must be one or more non-empty names, "
+                                  f"got {self.served_model_name!r}")
+            if len(set(self.served_model_name)) < len(self.served_model_name):
+                raise ConfigError(f"served_model_name lists a name twice: {self.served_model_name!r}")
         for name in ("max_waiting_seqs", "max_waiting_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -45,6 +45,32 @@ def test_chat_keeps_the_conversation(real_llm):
     assert replies == [first.strip(), with_history.strip()]
 
 
+def test_export_tokenizer_writes_a_folder_transformers_loads(tmp_path, real_llm, capsys):
+    """What guidellm and lm-eval do with a tokenizer folder: AutoTokenizer.from_pretrained, then
+    encode, decode and render the chat template, all as brisk does."""
+    from transformers import AutoTokenizer
+
+    from brisk.cli import main
+    from brisk.model.tokenizer import continue_final_message
+
+    folder = tmp_path / "tokenizer"
+    result = _brisk("export-tokenizer", str(folder))
+    assert result.returncode == 0, result.stderr
+    hf, ours = AutoTokenizer.from_pretrained(str(folder)), real_llm.tokenizer
+    for text in ("The capital of France is", "Hello,  world! It's a test .", "héllo 😀\n\n<|im_start|>user", ""):
+        ids = ours.encode(text)
+        assert hf(text)["input_ids"] == ids and hf.decode(ids) == ours.decode(ids, skip_special_tokens=False)
+    assert (hf.eos_token_id, hf.bos_token_id, hf.model_max_length) == (ours.eos_token_id, ours.bos_token_id, 8192)
+    chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how"}]
+    for generation_prompt in (True, False):
+        assert hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt) \
+            == ours.apply_chat_template(chat, generation_prompt)
+    assert hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=False, continue_final_message=True) \
+        == continue_final_message(ours.apply_chat_template(chat, False), chat)
+    assert main(["export-tokenizer", str(folder)]) == 2  # a folder with files in it is never overwritten
+    assert "is not an empty folder" in capsys.readouterr().err
+
+
 def test_bad_options_exit_with_a_clear_error():
     result = _brisk("generate", "hi", "--dtype", "float8")
     assert result.returncode == 2 and "dtype must be" in result.stderr
@@ -59,7 +85,7 @@ def test_every_command_prints_its_help():
     from brisk.cli import build_parser
 
     parser = build_parser()
-    commands = [[name] for name in ("generate", "chat", "serve", "quantize")]
+    commands = [[name] for name in ("generate", "chat", "serve", "quantize", "export-tokenizer")]
     commands += [["bench", kind] for kind in ("throughput", "prefix", "fairness", "sampling", "step", "quant")]
     commands += [["eval", "perplexity"]]
     for command in commands:

@@ -72,9 +72,10 @@ def run_served(kind: str, config: EngineConfig, server: ServerConfig, prompts: l
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_until_healthy(process, base_url, startup_timeout, log)
-            asyncio.run(_load(base_url, server.served_model_name, prompts[:2], SamplingParams(max_tokens=2)))  # warm-up
+            model = server.served_model_name[0]
+            asyncio.run(_load(base_url, model, prompts[:2], SamplingParams(max_tokens=2)))  # warm-up
             start = time.perf_counter()
-            streams = asyncio.run(_load(base_url, server.served_model_name, prompts, params))
+            streams = asyncio.run(_load(base_url, model, prompts, params))
             elapsed = time.perf_counter() - start
         finally:
             process.terminate()

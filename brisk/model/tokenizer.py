@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.decoders import DecodeStream
 
 Message = dict[str, Any]
+SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
@@ -55,6 +56,19 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Like decode; releases the GIL as encode_batch does."""
+        return self.backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary entries themselves ("Ġworld", not " world"), as transformers'
+        convert_ids_to_tokens gives them."""
+        return [self.backend.id_to_token(i) for i in token_ids]
+
+    def added_tokens(self) -> dict[int, str]:
+        """Tokens added on top of the model's vocabulary (special or not), by id."""
+        return {i: t.content for i, t in sorted(self.backend.get_added_tokens_decoder().items())}
+
     def id_to_token(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
@@ -76,14 +90,27 @@ class Tokenizer:
         """The template writes any BOS itself, so no special tokens are added on top (as in HF)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
-    def save(self, folder: str) -> None:
+    def config(self, model_max_length: int | None = None) -> dict[str, Any]:
+        """tokenizer_config.json's fields, as transformers reads them: what `save` writes and what
+        GET /tokenizer_info answers. Every special-token role is present, null where the model
+        has none (clients look for `eos_token`)."""
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  **{role: self.special_tokens.get(role) for role in SPECIAL_TOKEN_ROLES},
+                  "chat_template": self.chat_template,
+                  # `tokenizers` decodes without transformers' clean-up of spaces before punctuation;
+                  # saying so makes transformers decode to the same text as brisk.
+                  "clean_up_tokenization_spaces": False}
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        return config
+
+    def save(self, folder: str, model_max_length: int | None = None) -> None:
         """Writes the files a Hugging Face folder's tokenizer is read from (tokenizer.json,
         tokenizer_config.json, generation_config.json), so a folder brisk writes loads anywhere
-        a fast tokenizer does, this tokenizer's chat template and stop tokens included."""
+        a fast tokenizer does (transformers' AutoTokenizer included), this tokenizer's chat
+        template and stop tokens included."""
         self.backend.save(os.path.join(folder, "tokenizer.json"))
-        config = {**self.special_tokens, "chat_template": self.chat_template,
-                  "tokenizer_class": "PreTrainedTokenizerFast"}
-        for name, content in (("tokenizer_config.json", config),
+        for name, content in (("tokenizer_config.json", self.config(model_max_length)),
                               ("generation_config.json", {"eos_token_id": self.eos_token_ids})):
             with open(os.path.join(folder, name), "w") as f:
                 json.dump(content, f, indent=2)
@@ -110,6 +137,20 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""
+
+
+def continue_final_message(rendered: str, messages: list[Message]) -> str:
+    """The rendered conversation cut right after the final message's text, without whatever the
+    template closes a message with, so the model goes on with that message (transformers'
+    `continue_final_message`, with the same rule for a text whose trailing spaces the template trimmed)."""
+    final = messages[-1].get("content") or ""
+    location = rendered.rfind(final.strip())
+    if location < 0:
+        raise ValueError("continue_final_message: the final message's text does not appear in the rendered "
+                         "conversation")
+    if rendered[location:location + len(final.lstrip())] == final:
+        return rendered[:location + len(final.lstrip())]
+    return rendered[:location + len(final.strip())]
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

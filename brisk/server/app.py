@@ -1,10 +1,12 @@
-"""The HTTP server: OpenAI-compatible endpoints plus brisk's service endpoints.
+"""The HTTP server: OpenAI-compatible endpoints, brisk's service endpoints, and vLLM's tokenizer ones.
 
     POST /v1/chat/completions, /v1/completions      OpenAI shapes, streaming as SSE  (openai_api.py)
-    GET  /v1/models
+    GET  /v1/models, /v1/models/{id}                 every served name (aliases), or one of them
     POST /v1/generate, /v1/generate/batch            brisk's simple generation API   (service_api.py)
     GET  /v1/cache/stats, DELETE /v1/cache           KV and prefix cache figures / eviction
     GET  /v1/model/info                              what is being served, and how
+    POST /tokenize, /detokenize                      vLLM's shapes: text or messages  (tokenizer_api.py)
+    GET  /tokenizer_info, /version                   the tokenizer's configuration; brisk's version
     GET  /health                                     200 while the engine loop is alive and stepping
     GET  /metrics                                    Prometheus text format
 
@@ -29,6 +31,7 @@ from brisk.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from brisk.server.openai_api import openai_router
 from brisk.server.service_api import ADMIN_ROUTES, service_router
 from brisk.server.serving import Serving
+from brisk.server.tokenizer_api import tokenizer_router
 
 OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key, for probes and scrapers
 
@@ -36,8 +39,8 @@ OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key, for probe
 def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_engine: bool = True) -> FastAPI:
     """An app serving `engine`. With owns_engine, shutting the app down stops the engine."""
     config = config or ServerConfig()
-    model_name = config.served_model_name or engine.model_info.name
-    metrics = PrometheusStatLogger(model_name)
+    model_names = config.served_model_name or [engine.model_info.name]
+    metrics = PrometheusStatLogger(model_names[0])
     engine.add_stat_logger(metrics)
 
     @asynccontextmanager
@@ -54,9 +57,10 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     app.add_middleware(APIKeyMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key,
                        open_paths=OPEN_PATHS, admin_routes=ADMIN_ROUTES)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    serving = Serving(engine, config, model_name)
+    serving = Serving(engine, config, model_names)
     app.include_router(openai_router(serving))
     app.include_router(service_router(serving))
+    app.include_router(tokenizer_router(serving))
 
     @app.get("/health", response_class=PlainTextResponse,
              responses={503: {"model": ErrorResponse, "description": "The engine loop is not running."}})

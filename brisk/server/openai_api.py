@@ -30,6 +30,8 @@ def openai_router(serving: Serving) -> APIRouter:
     router.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/completions", api.completions, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/models", api.models, methods=["GET"])
+    # :path, as a served name may hold a slash ("org/model"; the openai client sends it as %2F)
+    router.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     return router
 
 
@@ -39,9 +41,17 @@ class OpenAIServing:
         self.model_name = serving.model_name
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "brisk",
-                                            "max_model_len": self.serving.engine.model_info.max_model_len}]}
+        return {"object": "list", "data": [self._model_card(name) for name in self.serving.model_names]}
+
+    async def model(self, model_id: str) -> dict:
+        self.serving.check_model(model_id)
+        return self._model_card(model_id)
+
+    def _model_card(self, name: str) -> dict:
+        """One served name; every alias has its own card, with the checkpoint's file name as `root`."""
+        info = self.serving.engine.model_info
+        return {"id": name, "object": "model", "created": self.serving.created, "owned_by": "brisk",
+                "root": info.name, "max_model_len": info.max_model_len}
 
     # ----- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -34,9 +35,11 @@ STREAMING_RESPONSES = {200: {"description": "JSON, or server-sent events with `s
 
 
 class Serving:
-    def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str):
+    def __init__(self, engine: EngineClient, config: ServerConfig, model_names: list[str]):
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = model_names  # aliases: requests may name any, responses report the first
+        self.model_name = model_names[0]
+        self.created = int(time.time())  # when the model came to be served: `created` of /v1/models
         info = engine.model_info
         self.max_model_len = info.max_model_len
         self.max_waiting_seqs = config.max_waiting_seqs or 8 * info.max_num_seqs
@@ -74,7 +77,7 @@ class Serving:
 
     # ----- checks ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", type="not_found_error", param="model",
                            code="model_not_found")
 

@@ -25,7 +25,7 @@ def test_no_input_gets_a_server_error(tiny_url, mode):
     assert len(operations) >= 9
     if mode is GenerationMode.NEGATIVE:  # only a body can be made invalid: the GET routes take no input
         operations = [op for op in operations if len(op.body)]
-        assert len(operations) == 4
+        assert len(operations) == 6
     statuses = []
 
     for operation in operations:
