@@ -241,9 +241,7 @@ def test_structured_outputs_cross_the_socket(real_model_path):
                                 structured_outputs=brisk.StructuredOutputs(choice=["yes", "no"]))
 
         async def final():
-            async for output in engine.generate(ids, params, "choice"):
-                pass
-            return output
+            return [output async for output in engine.generate(ids, params, "choice")][-1]
 
         output = asyncio.run(final())
         assert [(c.text, c.finish_reason) for c in output.outputs] in \

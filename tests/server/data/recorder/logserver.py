@@ -1,7 +1,7 @@
 """A fake OpenAI server: logs every request (method, path, JSON body) to a JSONL file and returns
 canned OpenAI-shaped responses. Behaviour switched by env/files: the response 'mode' is chosen from
 the request itself (tools -> tool call, response_format -> JSON content, echo -> echoed logprobs)."""
-import json, os, sys, time, uuid
+import json, os, time, uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse, PlainTextResponse
 

@@ -1,5 +1,4 @@
-import json, httpx
-from typing import Optional
+import httpx
 from pydantic import BaseModel, Field
 from langchain_openai import ChatOpenAI
 from langchain_core.messages import HumanMessage, AIMessage, ToolMessage, SystemMessage

@@ -1,4 +1,4 @@
-import os, json, httpx
+import os, httpx
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 import litellm
 BASE = "http://127.0.0.1:18765"

@@ -1,4 +1,4 @@
-import os, sys, json, re, tempfile, httpx
+import os, sys, json, tempfile, httpx
 os.environ["HF_HUB_OFFLINE"] = "1"; os.environ["HF_DATASETS_OFFLINE"] = "1"
 import lm_eval
 from lm_eval.tasks import TaskManager

@@ -1,5 +1,5 @@
 """Feeds variants of chat responses to LangChain's ChatOpenAI through an httpx MockTransport."""
-import json, copy, traceback
+import json, copy
 import httpx
 from pydantic import BaseModel
 from langchain_openai import ChatOpenAI
