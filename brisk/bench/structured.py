@@ -80,7 +80,7 @@ def main(args) -> None:
             median = statistics.median(rounds[setting.name])
             every = ", ".join(f"{v:.0f}" for v in rounds[setting.name])
             print(f"| {batch} | {setting.name} | {median:.1f} | {median / free:.3f} | {every} |")
-    print("\nthe masks alone, per step (fill: llguidance; apply: unpack the bits and mask the logits):")
+    print("\nthe masks alone, per step (fill: llguidance, in parallel; apply: -inf where a bit is clear):")
     print("| batch | schema | fill, ms | apply, ms |")
     print("|---:|---|---:|---:|")
     for batch in args.batch_sizes:

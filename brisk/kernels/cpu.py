@@ -42,6 +42,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
     "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
     "target_logprobs": [_PTR, _I64, _I64] + [_PTR] * 4,
+    "mask_rows": [_PTR, _I64, _PTR, _I64, _PTR, _I64],
     "rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "silu_mul": [_PTR] * 2 + [_I64] * 2,
@@ -243,6 +244,15 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
     _library("sampling.c").target_logprobs_f32(logits.data_ptr(), rows, n, targets.data_ptr(), lse.data_ptr(),
                                                logprob.data_ptr(), rank.data_ptr())
     return lse, logprob, rank
+
+
+def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on float32 logits [B, V]: row rows[g] keeps only the tokens whose bit is set in
+    bitmask[g] (int32 [G, ceil(V/32)], llguidance's layout); the rest become -inf."""
+    assert logits.is_contiguous() and bitmask.is_contiguous() and bitmask.shape[1] * 32 >= logits.shape[1]
+    rows = rows.contiguous()
+    _library("sampling.c").mask_rows_f32(logits.data_ptr(), logits.shape[1], rows.data_ptr(), rows.shape[0],
+                                         bitmask.data_ptr(), bitmask.shape[1])
 
 
 def layer_ops_available(x: torch.Tensor) -> bool:

@@ -215,3 +215,27 @@ void target_logprobs_f32(const float *restrict logits, int64_t rows, int64_t n, 
         rank[r] = better + 1;
     }
 }
+
+/* Grammar masks (structured outputs): in logits [*, n], row rows[g] keeps token i only where bit
+ * i % 32 of word i / 32 of mask row g is set (llguidance's layout, mask [num_rows, words]); the
+ * others become -inf. Written as bits: -ffast-math may not keep an infinity it computes. */
+void mask_rows_f32(float *restrict logits, int64_t n, const int64_t *restrict rows, int64_t num_rows,
+                   const uint32_t *restrict mask, int64_t words) {
+    const uint32_t minus_inf = 0xff800000u;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < num_rows; g++) {
+        uint32_t *z = (uint32_t *)(logits + rows[g] * n);
+        const uint32_t *m = mask + g * words;
+        for (int64_t w = 0; w < words; w++) {
+            const uint32_t bits = m[w];
+            if (bits == 0xffffffffu) continue;
+            const int64_t end = (w + 1) * 32 < n ? (w + 1) * 32 : n;
+            if (bits == 0) {  /* most words of a grammar's mask */
+                for (int64_t i = w * 32; i < end; i++) z[i] = minus_inf;
+                continue;
+            }
+            for (int64_t i = w * 32; i < end; i++)
+                if (!((bits >> (i & 31)) & 1u)) z[i] = minus_inf;
+        }
+    }
+}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from brisk import SamplingParams
+from brisk.sample import grammar as grammar_module
 from brisk.sample.grammar import GrammarCompiler, StructuredOutputs, apply_bitmask, close_objects, fill_bitmask
 from brisk.sampling_params import SamplingError
 
@@ -80,8 +81,11 @@ def test_the_mask_allows_exactly_the_tokens_the_grammar_accepts(real_llm):
     assert len(allowed[0]) >= 10  # every single digit at least
     assert all("Paris".startswith(tokenizer.decode([t])) or "London".startswith(tokenizer.decode([t]))
                for t in allowed[1])
-    logits = torch.zeros(3, vocab)
-    apply_bitmask(logits, torch.tensor([0, 2]), mask)
+    logits = torch.randn(3, vocab)
+    reference = logits.clone()
+    grammar_module._apply_bitmask_torch(reference, torch.tensor([0, 2]), mask)
+    apply_bitmask(logits, torch.tensor([0, 2]), mask)  # the C kernel where there is a compiler
+    assert torch.equal(logits, reference)
     assert (logits[0].isfinite().nonzero().flatten().tolist(), logits[2].isfinite().nonzero().flatten().tolist()) == \
         (allowed[0], allowed[1])
     assert logits[1].isfinite().all()  # a row without a grammar is untouched
