@@ -1,5 +1,5 @@
-"""/v1/chat/completions, /v1/completions and /v1/models: OpenAI requests in, engine requests
-out, and back, on top of the shared Serving helpers.
+"""/v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}: OpenAI requests in,
+engine requests out, and back, on top of the shared Serving helpers.
 
 Non-streamed requests watch for the client going away and abort their engine requests, so a
 disconnected client never keeps KV blocks busy; streamed ones abort when Starlette cancels the
