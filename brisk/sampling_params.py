@@ -19,6 +19,7 @@ MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # as vLLM and torch accept them; sampling uses the low 64 bits
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_TOKENS = 300  # biases are applied per row and step: a whole-vocabulary dict cost 25 ms a row
 
 
 class SamplingError(ValueError):
@@ -26,7 +27,10 @@ class SamplingError(ValueError):
 
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.message = param, message
+
+    def __reduce__(self):  # crosses the engine process's socket as itself, so it stays a 400
+        return SamplingError, (self.param, self.message)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ class SamplingParams:
 
     def _validate_logit_bias(self) -> None:
         low, high = LOGIT_BIAS_RANGE
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS_TOKENS:
+            raise SamplingError("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise SamplingError("logit_bias", f"keys must be non-negative token ids, got {token!r}")

@@ -157,8 +157,8 @@ class LLMEngine:
         now = time.monotonic()
         iteration = IterationStats(num_sequences=len(sched.chunks), num_batched_tokens=sched.num_batched_tokens,
                                    num_preemptions=len(sched.preempted))
-        for child_id, chunk_logprobs in result.prompt_logprobs.items():
-            self.output_processor.add_prompt_logprobs(child_id, chunk_logprobs)
+        for child_id, (first_position, chunk_logprobs) in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(child_id, first_position, chunk_logprobs)
         progressed = self.scheduler.update(sched, result.sampled)
         for request in progressed:
             _record_token_times(request, now, iteration)

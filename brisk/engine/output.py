@@ -108,9 +108,12 @@ class OutputProcessor:
         state = self._states.get(request_id)
         return list(state.children) if state else []
 
-    def add_prompt_logprobs(self, child_id: str, chunk: list[TokenLogprobs]) -> None:
+    def add_prompt_logprobs(self, child_id: str, first_position: int, chunk: list[TokenLogprobs]) -> None:
+        """Entries for prompt positions first_position onwards. A request preempted and computed
+        again from its start sends positions it sent before: only the new ones are kept."""
         state, _ = self._parent_of[child_id]
-        state.prompt_logprobs.extend(self._with_text(entry) for entry in chunk)
+        known = len(state.prompt_logprobs) - first_position  # position 0 is the leading None
+        state.prompt_logprobs.extend(self._with_text(entry) for entry in chunk[max(known, 0):])
 
     def _with_text(self, entry: TokenLogprobs) -> TokenLogprobs:
         for token_id, logprob in entry.items():

@@ -27,7 +27,8 @@ from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> (the prompt position the first entry predicts, the entries of this step's chunk)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class _PromptLogprobRows:
     request: Request
     rows: slice  # rows of the hidden states whose next token is a prompt token
     targets: list[int]  # those prompt tokens
+    first_position: int  # the prompt position of targets[0]
 
 
 @dataclass
@@ -68,8 +70,8 @@ class ModelRunner:
             self._sample(hidden[batch.sample_rows], batch.sample_requests, out)
         for rows in batch.prompt_logprob_rows:
             logits = self.model.compute_logits(hidden[rows.rows])
-            out.prompt_logprobs[rows.request.request_id] = prompt_logprobs(
-                logits, rows.targets, rows.request.params.prompt_logprobs)
+            out.prompt_logprobs[rows.request.request_id] = (rows.first_position, prompt_logprobs(
+                logits, rows.targets, rows.request.params.prompt_logprobs))
         return out
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
@@ -145,7 +147,7 @@ class ModelRunner:
         count = min(start + chunk.num_new_tokens, r.num_prompt_tokens - 1) - start
         if count <= 0:
             return []
-        return [_PromptLogprobRows(r, slice(row, row + count), r.token_ids[start + 1:start + 1 + count])]
+        return [_PromptLogprobRows(r, slice(row, row + count), r.token_ids[start + 1:start + 1 + count], start + 1)]
 
 
 def _sampling_row(request: Request) -> SamplingRow:

@@ -8,8 +8,7 @@ sequence and step on the default model's 49k vocabulary (BENCHMARKS.md has the o
     StructuredOutputs   what a request asks for; checked when built, so a bad schema is a 400
     GrammarCompiler     one per engine: the tokenizer's token trie (built once, on first use)
                         and compiled grammars cached by spec; each sequence gets a copy
-    Grammar             one sequence's place in its grammar: advanced on every accepted token,
-                        rolled back when speculative tokens are rejected
+    Grammar             one sequence's place in its grammar, advanced on every accepted token
     fill_bitmask        the batch's masks in one parallel call, one bit per vocabulary entry
     apply_bitmask       those masks on the logits rows that have a grammar
 
@@ -36,6 +35,9 @@ from brisk.kernels import cpu as cpu_kernels
 # their tokens on newlines and indentation, and the output is the same JSON value either way.
 JSON_OPTIONS = {"whitespace_flexible": False}
 _GRAMMAR_CACHE_SIZE = 256
+# A constraint is compiled on the engine's thread, which every request shares: about 0.25 s for a
+# grammar this size (a list of ~6,000 choices); 100,000 choices took 10 s and then failed.
+MAX_GRAMMAR_CHARS = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):  # key order kept: properties are written in the schema's order
             object.__setattr__(self, "json", json.dumps(self.json))
+        elif self.json is not None and not isinstance(self.json, str):
+            raise ValueError("the JSON schema must be an object")
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -63,6 +67,9 @@ class StructuredOutputs:
             raise ValueError(f"exactly one of json, regex, choice, grammar or json_object must be given, got "
                              f"{given or 'none'}")
         object.__setattr__(self, "llguidance_grammar", self._compile(given[0]))
+        if len(self.llguidance_grammar) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {given[0]} constraint is {len(self.llguidance_grammar)} characters as a grammar; "
+                             f"at most {MAX_GRAMMAR_CHARS} are accepted (it is compiled on the engine's thread)")
         error = LLMatcher.validate_grammar(self.llguidance_grammar)
         if error:
             raise ValueError(f"the {given[0]} constraint is not valid: {error}")
@@ -73,7 +80,7 @@ class StructuredOutputs:
                 schema = json.loads(self.json)
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise ValueError("the JSON schema must be an object")
             return LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
         if kind == "json_object":
@@ -90,19 +97,37 @@ class StructuredOutputs:
             raise ValueError(f"the grammar could not be read as Lark or GBNF: {exc}") from exc
 
 
-def close_objects(schema):
+# Where a JSON schema holds subschemas (and not values, as `const`, `enum` or `default` do).
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+
+
+def close_objects(schema, close: bool = True):
     """The schema with `additionalProperties: false` on every object that lists its properties
     and says nothing about others, as vLLM's default grammar engine (xgrammar's strict mode)
     reads schemas and OpenAI's strict mode requires. Left open, a small model tends to invent
-    property after property until max_tokens. A schema that sets additionalProperties keeps it."""
-    if isinstance(schema, list):
-        return [close_objects(s) for s in schema]
+    property after property until max_tokens. A schema that sets additionalProperties keeps it;
+    `allOf` members, and a schema with them, stay open, since each sees only part of the
+    properties; values (`const`, `enum`, `default`, ...) are not touched."""
     if not isinstance(schema, dict):
         return schema
-    closed = {key: close_objects(value) for key, value in schema.items()}
-    if "properties" in closed and "additionalProperties" not in closed:
-        closed["additionalProperties"] = False
-    return closed
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = [close_objects(s) for s in out[key]] if isinstance(out[key], list) else close_objects(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(sub, close=False) for sub in out["allOf"]]
+        close = False
+    if close and "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class Grammar:
@@ -115,9 +140,6 @@ class Grammar:
 
     def accept(self, token_id: int) -> bool:
         return self.matcher.consume_token(token_id)
-
-    def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -136,12 +158,13 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar -> untouched matcher, LRU order
 
     @cached_property
-    def _tokenizer(self) -> LLTokenizer:
-        """The token trie llguidance walks: about 0.3 s for a 49k vocabulary, so built on first use."""
+    def _tokenizer(self) -> LLTokenizer | ValueError:
+        """The token trie llguidance walks: about 0.3 s for a 49k vocabulary, so built on first use
+        (a tokenizer it cannot read is remembered as such, not tried again per request)."""
         try:
             return LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None)
         except ValueError as exc:  # llguidance reads byte-level BPE, SentencePiece and similar; not WordPiece
-            raise ValueError(f"structured outputs are not available for this model's tokenizer: {exc}") from exc
+            return ValueError(f"structured outputs are not available for this model's tokenizer: {exc}")
 
     @cached_property
     def _executor(self) -> LLExecutor:
@@ -151,6 +174,8 @@ class GrammarCompiler:
         key = spec.llguidance_grammar
         pristine = self._compiled.get(key)
         if pristine is None:
+            if isinstance(self._tokenizer, ValueError):
+                raise ValueError(str(self._tokenizer))
             pristine = LLMatcher(self._tokenizer, key, log_level=0)
             if pristine.is_error():
                 raise ValueError(f"the grammar could not be compiled: {pristine.get_error()}")

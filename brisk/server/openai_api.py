@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -66,30 +66,23 @@ class OpenAIServing:
         if constraint is not None and forced is not None:
             raise APIError(400, "tool_choice forces a tool call, which cannot be combined with response_format or "
                                 "another output constraint.", param="tool_choice")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",
+                           param="prompt_logprobs")
         params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
                                       constraint or forced)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt)
         created = int(time.time())
-        tool_names = {t.function.name for t in body.tools or []} if body.tool_choice != "none" else set()
+        tools = _ToolCalls({t.function.name for t in body.tools or []} if body.tool_choice != "none" else set(),
+                           forced is not None)
         if body.stream:
-            return sse(self._chat_stream(body, streams[0], request_id, created, tool_names))
+            return sse(self._chat_stream(body, streams[0], request_id, created, tools))
         finals = await serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)
         final = finals[0]
-        choices = []
-        for c in final.outputs:
-            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            if tool_names:
-                content, calls = parse_tool_calls(c.text, tool_names)
-                message["content"] = content
-                if calls:
-                    message["tool_calls"] = [call.as_openai() for call in calls]
-                    finish_reason = _tool_finish(finish_reason)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": _chat_logprobs(c.logprobs, body.top_logprobs) if body.logprobs else None,
-                            "finish_reason": finish_reason})
+        choices = [_chat_choice(body, c, tools) for c in final.outputs]
         response = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": _usage([final])}
         if body.prompt_logprobs is not None:
@@ -108,9 +101,9 @@ class OpenAIServing:
         return chunk
 
     async def _chat_stream(self, body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput],
-                           request_id: str, created: int, tool_names: set[str]) -> AsyncIterator[dict]:
+                           request_id: str, created: int, tools: "_ToolCalls") -> AsyncIterator[dict]:
         chunk = self._chunker(body, "chat.completion.chunk", request_id, created)
-        parsers = {i: ToolCallParser(tool_names) for i in range(body.n)} if tool_names else {}
+        parsers = {i: ToolCallParser(tools.names, tools.forced) for i in range(body.n)} if tools.names else {}
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
         completion_tokens, last = 0, None
@@ -222,6 +215,25 @@ class OpenAIServing:
 
 
 # ----- helpers --------------------------------------------------------------------------------
+@dataclass
+class _ToolCalls:
+    names: set[str]  # the functions whose calls are parsed out of the text; empty: none are
+    forced: bool  # tool_choice "required" or a named function: the text is only calls
+
+
+def _chat_choice(body: ChatCompletionRequest, c: CompletionOutput, tools: _ToolCalls) -> dict:
+    message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+    if tools.names:
+        content, calls = parse_tool_calls(c.text, tools.names, tools.forced)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+            finish_reason = _tool_finish(finish_reason)
+    return {"index": c.index, "message": message,
+            "logprobs": _chat_logprobs(c.logprobs, body.top_logprobs) if body.logprobs else None,
+            "finish_reason": finish_reason}
+
+
 def _tool_finish(reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" else reason
 
@@ -268,7 +280,6 @@ def _vllm_prompt_logprobs(entries: list[TokenLogprobs | None] | None) -> list | 
                                     for token_id, lp in e.items()} for e in entries]
 
 
-# ----- helpers --------------------------------------------------------------------------------
 def _usage_counts(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,

@@ -2,9 +2,10 @@
 
 OpenAI's shapes for /v1/chat/completions and /v1/completions, plus the extras vLLM adds that
 brisk implements, and brisk's own /v1/generate endpoints. Nothing is silently ignored: a field
-brisk does not implement is a 400 naming it (`extra="forbid"` everywhere), except the few in
-IGNORED_FIELDS, which clients send routinely and which change nothing in the output. The
-README's "Request fields" section lists the three groups.
+brisk does not implement is a 400 naming it (`extra="forbid"` everywhere), except the four of
+OpenAI's platform bookkeeping (`user`, `metadata`, `store`, `service_tier`), which clients send
+routinely and which change nothing in the output. The README's "Request fields" section lists
+the three groups.
 
 Limits that protect the server live here too: at most 128 completions (`n`, OpenAI's own
 limit) and 128 prompts per request, and no text with unpaired UTF-16 surrogates (JSON can
@@ -24,8 +25,6 @@ from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, Sam
 MAX_N = 128  # completions per request, as OpenAI allows
 MAX_PROMPTS = 128  # prompts per /v1/completions or /v1/generate/batch request
 MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows for chat
-# Accepted and ignored: bookkeeping for OpenAI's own platform, which changes nothing here.
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -135,7 +134,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    # OpenAI platform bookkeeping: accepted, no effect (IGNORED_FIELDS)
+    # OpenAI platform bookkeeping: accepted, no effect
     user: Text | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None

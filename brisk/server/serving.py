@@ -22,7 +22,7 @@ from brisk.config import ServerConfig
 from brisk.engine.client import EngineClient, EngineDeadError
 from brisk.engine.output import RequestOutput
 from brisk.model.tokenizer import Message
-from brisk.sampling_params import SamplingParams
+from brisk.sampling_params import SamplingError, SamplingParams
 from brisk.server.errors import APIError, error_body
 
 logger = logging.getLogger("brisk.server")
@@ -163,6 +163,8 @@ def sse(events: AsyncIterator[dict]) -> StreamingResponse:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         except EngineDeadError as exc:
             yield f"data: {json.dumps(error_body(f'The engine is not running: {exc}', 'server_error'))}\n\n"
+        except SamplingError as exc:  # found by the engine (a grammar it cannot compile): the request's fault
+            yield f"data: {json.dumps(error_body(str(exc), 'invalid_request_error', exc.param))}\n\n"
         except Exception as exc:  # noqa: BLE001 - reported to the client in the stream's own shape
             logger.error("a streamed response failed", exc_info=exc)
             yield f"data: {json.dumps(error_body(f'Internal error: {type(exc).__name__}.', 'server_error'))}\n\n"

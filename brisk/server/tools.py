@@ -14,7 +14,8 @@ calls as the blocks above, and tool results as user turns wrapped in <tool_respo
 
 `tool_choice` "required" or a named function is enforced by a grammar (the blocks, with the
 arguments constrained by each function's JSON schema), so the answer is always a valid call
-(a named function: exactly one; "required": one or more, unless parallel_tool_calls is false);
+(a named function, or "required": exactly one; "required" with parallel_tool_calls set to true
+by the client: one or more);
 "auto" lets the model choose and parses whatever blocks it writes; "none" parses nothing.
 """
 
@@ -90,7 +91,9 @@ def tool_grammar(body: ChatCompletionRequest) -> StructuredOutputs | None:
         tools = [t for t in body.tools if t.function.name == choice.function.name]
         if not tools:
             raise SamplingError("tool_choice", f"names the function `{choice.function.name}`, which is not in tools")
-    several = body.parallel_tool_calls and choice == "required"  # a named function is called once, as in vLLM
+    # Several calls only when the client asks for them: left to choose, small models write the
+    # same call again and again until max_tokens. A named function is called once, as in vLLM.
+    several = choice == "required" and body.parallel_tool_calls and "parallel_tool_calls" in body.model_fields_set
     calls = " | ".join(f"call_{i}" for i in range(len(tools)))
     rules = ['start: call ("\\n" call)*' if several else "start: call", f"call: {calls}"]
     for i, tool in enumerate(tools):
@@ -105,7 +108,7 @@ def tool_grammar(body: ChatCompletionRequest) -> StructuredOutputs | None:
 
 def _arguments_schema(tool: Tool) -> dict:
     schema = close_objects(tool.function.parameters or {"type": "object", "properties": {}})
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return {**schema, "type": "object", "x-guidance": JSON_OPTIONS}  # arguments are always an object
 
 
 @dataclass
@@ -126,8 +129,9 @@ class ToolCallParser:
     that may only separate blocks) and the calls completed so far; `finish` returns the rest.
     A block that is not valid JSON naming a known function stays content."""
 
-    def __init__(self, tool_names: set[str]):
+    def __init__(self, tool_names: set[str], forced: bool = False):
         self.tool_names = tool_names
+        self.forced = forced  # the grammar wrote every block: what is left at the end is a call cut short
         self.calls: list[ParsedCall] = []
         self._pending = ""
 
@@ -157,6 +161,8 @@ class ToolCallParser:
 
     def finish(self) -> str:
         rest, self._pending = self._pending, ""
+        if self.forced:
+            return ""
         return rest.strip() if self.calls else rest
 
     def _safe_length(self) -> int:
@@ -191,11 +197,11 @@ class ToolCallParser:
         return ParsedCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[ParsedCall]]:
-    """A whole completion's content (None if only calls) and calls."""
-    parser = ToolCallParser(tool_names)
+def parse_tool_calls(text: str, tool_names: set[str], forced: bool = False) -> tuple[str | None, list[ParsedCall]]:
+    """A whole completion's content (None if only calls, or if the calls were forced) and calls."""
+    parser = ToolCallParser(tool_names, forced)
     content, calls = parser.feed(text)
     content += parser.finish()
     if calls:
         content = content.strip()
-    return content or (None if calls else ""), calls
+    return content or (None if calls or forced else ""), calls

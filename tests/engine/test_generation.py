@@ -39,17 +39,26 @@ def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(real_llm,
 
 def test_seeded_sampling_is_reproducible_after_preemption(real_llm, real_model_path):
     """A KV cache too small for the batch preempts and recomputes requests mid-generation; each
-    seeded sequence still gives the tokens it gives alone (its draws depend on (seed, position) only)."""
+    seeded sequence still gives the tokens it gives alone (its draws depend on (seed, position) only),
+    and its prompt logprobs once per position, as alone (a recompute sends them again)."""
     from brisk import LLM
 
     prompts = [{"prompt_token_ids": real_llm.tokenizer.encode_chat([{"role": "user", "content": f"Tell me about {x}."}])}
                for x in ("robots", "the sea", "bread", "winter", "music", "trains")]
-    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=48) for i in range(len(prompts))]
-    alone = [_one(real_llm, p, sp).outputs[0].token_ids for p, sp in zip(prompts, params)]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=48, prompt_logprobs=1)
+              for i in range(len(prompts))]
+    alone = [_one(real_llm, p, sp) for p, sp in zip(prompts, params)]
     cramped = LLM(real_model_path, dtype="float32", num_kv_blocks=20, max_model_len=256)
     together = cramped.generate(prompts, params, use_tqdm=False)
     assert cramped.engine.scheduler.stats.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in together] == alone
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+    def prompt_scores(output):
+        return [None] + [entry[t].logprob for t, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:])]
+
+    for mine, reference in zip(together, alone):
+        assert len(mine.prompt_logprobs) == len(mine.prompt_token_ids)
+        assert prompt_scores(mine)[1:] == pytest.approx(prompt_scores(reference)[1:], abs=1e-4)
     assert_no_leaks(cramped.engine)
 
 

@@ -171,7 +171,7 @@ def test_logprobs_accumulate_and_deltas_carry_only_new_ones(processor):
 
 def test_prompt_logprobs_are_sent_once_when_streaming(processor):
     (r,) = _add(processor, "r", max_tokens=2, prompt_logprobs=0, output_kind=OutputKind.DELTA)
-    processor.add_prompt_logprobs("r", [])  # a one-token prompt: nothing before its first position
+    processor.add_prompt_logprobs("r", 1, [])  # a one-token prompt: nothing before its first position
     outputs = _run(processor, r, [" cat", " sat"])
     assert [o.prompt_logprobs for o in outputs] == [[None], None]
 

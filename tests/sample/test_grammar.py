@@ -4,6 +4,7 @@ allows, and outputs of the real model that parse and validate, batched with free
 from __future__ import annotations
 
 import json
+import pickle
 
 import jsonschema
 import pytest
@@ -54,18 +55,30 @@ def test_sampling_params_name_the_field_and_refuse_min_tokens():
     with pytest.raises(SamplingError) as error:
         SamplingParams(structured_outputs=StructuredOutputs(choice=["a"]), min_tokens=2)
     assert error.value.param == "min_tokens"
+    crossed = pickle.loads(pickle.dumps(error.value))  # from the engine process, still a SamplingError
+    assert (type(crossed), crossed.param, str(crossed)) == (SamplingError, "min_tokens", str(error.value))
 
 
 def test_closing_objects_touches_only_objects_that_list_properties():
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
                                                "b": {"type": "object", "additionalProperties": True},
-                                               "c": {"type": "array", "items": {"properties": {"x": {}}}}}}
+                                               "c": {"type": "array", "items": {"properties": {"x": {}}}},
+                                               "properties": {"const": {"properties": 1}, "default": {"properties": {}}},
+                                               "d": {"allOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]}}}
     closed = close_objects(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["a"]["additionalProperties"] is False
     assert closed["properties"]["b"]["additionalProperties"] is True
     assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["properties"] == schema["properties"]["properties"]  # values are not schemas
+    assert all("additionalProperties" not in member for member in closed["properties"]["d"]["allOf"])
+    assert "additionalProperties" not in closed["properties"]["d"]  # each member sees part of the properties
     assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+def test_constraints_past_the_size_limit_are_refused():
+    with pytest.raises(ValueError, match="at most"):
+        StructuredOutputs(choice=[f"choice number {i}" for i in range(20000)])
 
 
 @pytest.mark.real_model

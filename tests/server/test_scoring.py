@@ -82,6 +82,7 @@ def test_prompt_logprobs_extra_on_both_endpoints(client, offline_expectations):
     ({"best_of": 2}, "best_of"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"49152": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
 ])
 def test_scoring_and_bias_limits(client, body, param):
     with pytest.raises(openai.BadRequestError) as error:

@@ -82,6 +82,7 @@ def test_json_object_and_vllm_extras(client):
     ({"guided_choice": ["a"], "min_tokens": 3}, "min_tokens"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ])
 def test_constraints_that_cannot_work_are_a_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as error:

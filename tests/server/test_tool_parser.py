@@ -94,3 +94,16 @@ def test_tool_choice_none_and_auto_force_nothing_and_bad_choices_are_refused():
     with pytest.raises(SamplingError, match="arguments are not valid JSON"):
         template_messages(ChatCompletionRequest(messages=[{"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]), False)
+
+
+def test_forced_calls_drop_a_block_cut_short_and_are_one_call_unless_parallel_is_asked_for():
+    text = block("add", {"a": 1, "b": 2}) + f'\n{OPEN}\n{{"name": "add", "argu'
+    assert parse_tool_calls(text, NAMES, forced=True)[0] is None
+    messages = [{"role": "user", "content": "hi"}]
+    single = tool_grammar(ChatCompletionRequest(messages=messages, tools=[WEATHER, ADD], tool_choice="required"))
+    several = tool_grammar(ChatCompletionRequest(messages=messages, tools=[WEATHER, ADD], tool_choice="required",
+                                                 parallel_tool_calls=True))
+    assert single.grammar.startswith("start: call\n") and several.grammar.startswith('start: call ("\\n" call)*')
+    untyped = tool_grammar(ChatCompletionRequest(messages=messages, tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]))
+    assert '"type": "object"' in untyped.grammar  # arguments are an object even when the schema says nothing
