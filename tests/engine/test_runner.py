@@ -111,14 +111,16 @@ def test_execute_samples_and_reports_logprobs_only_where_asked(runner):
     assert list(out.logprobs) == ["d2"]
     d2_token = out.sampled["d2"]
     assert list(out.logprobs["d2"])[0] == d2_token and out.logprobs["d2"][d2_token].rank == 1  # greedy
-    assert {rid: len(entries) for rid, entries in out.prompt_logprobs.items()} == {"p1": 3, "p2": 5}
+    # p1 computes positions 6-9 (its prompt ends at 9), so predicts 7-9; p2 computes 0-4, so predicts 1-5
+    assert {rid: (first, len(entries)) for rid, (first, entries) in out.prompt_logprobs.items()} == \
+        {"p1": (7, 3), "p2": (1, 5)}
 
 
 def test_prompt_logprobs_of_a_fresh_chunk_do_not_depend_on_the_rest_of_the_batch(runner, tiny_model):
-    mixed = runner.execute(_mixed_step(runner)).prompt_logprobs["p2"]
+    _, mixed = runner.execute(_mixed_step(runner)).prompt_logprobs["p2"]
     alone_runner = ModelRunner(tiny_model, KVCacheManager(16, BLOCK_SIZE, False), "float32", CPU)
-    alone = alone_runner.execute(SchedulerOutput([_chunk(alone_runner, "p2", list(range(60, 67)), 0, 5,
-                                                         prompt_logprobs=2)])).prompt_logprobs["p2"]
+    _, alone = alone_runner.execute(SchedulerOutput([_chunk(alone_runner, "p2", list(range(60, 67)), 0, 5,
+                                                            prompt_logprobs=2)])).prompt_logprobs["p2"]
     assert [list(e) for e in mixed] == [list(e) for e in alone]
     assert [list(e)[0] for e in mixed] == [61, 62, 63, 64, 65]
     for m, a in zip(mixed, alone):
