@@ -21,7 +21,7 @@ from brisk.sample.logprobs import TokenLogprobs
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, sse
-from brisk.server.tools import ToolCallParser, parse_tool_calls, template_messages, tool_grammar
+from brisk.server.tools import ToolCallParser, parse_tool_calls, tool_grammar
 
 
 def openai_router(serving: Serving) -> APIRouter:
@@ -57,11 +57,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
         serving.check_model(body.model)
-        tokenizer = serving.engine.tokenizer
-        knows_tools = tokenizer.template_knows_tools
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and knows_tools else None
-        prompt_ids = await serving.render_chat(template_messages(body, knows_tools), body.add_generation_prompt,
-                                               tools)
+        prompt_ids = await serving.render_chat(body)
         constraint, forced = body.structured_outputs_spec(), tool_grammar(body)
         if constraint is not None and forced is not None:
             raise APIError(400, "tool_choice forces a tool call, which cannot be combined with response_format or "

@@ -21,9 +21,11 @@ from fastapi.responses import StreamingResponse
 from brisk.config import ServerConfig
 from brisk.engine.client import EngineClient, EngineDeadError
 from brisk.engine.output import RequestOutput
-from brisk.model.tokenizer import Message
+from brisk.model.tokenizer import continue_final_message
 from brisk.sampling_params import SamplingError, SamplingParams
 from brisk.server.errors import APIError, error_body
+from brisk.server.protocol import ChatCompletionRequest
+from brisk.server.tools import template_messages
 
 logger = logging.getLogger("brisk.server")
 
@@ -60,14 +62,21 @@ class Serving:
                 prompt.append(bos)
         return ids
 
-    async def render_chat(self, messages: list[Message], add_generation_prompt: bool,
-                          tools: list[dict] | None = None) -> list[int]:
-        """The conversation's token ids, rendered and tokenized on a worker thread (see tokenize)."""
+    async def render_chat(self, body: ChatCompletionRequest, continue_final: bool = False,
+                          add_special_tokens: bool = False) -> list[int]:
+        """The conversation's token ids: its messages and tools as the chat template receives them
+        (tools.py), rendered and tokenized on a worker thread (see tokenize). /v1/chat/completions
+        and /tokenize both come here, so a count from one is the prompt of the other."""
         tokenizer = self.engine.tokenizer
+        knows_tools = tokenizer.template_knows_tools
+        messages = template_messages(body, knows_tools)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and knows_tools else None
 
         def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
-            return tokenizer.encode_batch([text], add_special_tokens=False)[0]
+            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools)
+            if continue_final:
+                text = continue_final_message(text, messages)
+            return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
         try:
             return await asyncio.to_thread(render)

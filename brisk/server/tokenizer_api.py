@@ -19,11 +19,9 @@ from typing import Annotated
 from fastapi import APIRouter
 from pydantic import Field
 
-from brisk.model.tokenizer import continue_final_message
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, ChatMessage, Text, Tool, _Body
 from brisk.server.serving import Serving
-from brisk.server.tools import template_messages
 
 BRISK_VERSION = version("brisk")
 _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "tools")
@@ -87,23 +85,10 @@ class TokenizerAPI:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: send "
                                 "add_generation_prompt: false to continue the final message.",
                            param="continue_final_message")
-        # The prompt /v1/chat/completions would build from these messages and tools, so counts agree.
-        tokenizer = self.tokenizer
-        knows_tools = tokenizer.template_knows_tools
-        messages = template_messages(ChatCompletionRequest(messages=body.messages, tools=body.tools), knows_tools)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and knows_tools else None
-
-        def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools)
-            if body.continue_final_message:
-                text = continue_final_message(text, messages)
-            return tokenizer.encode_batch([text], add_special_tokens=bool(body.add_special_tokens))[0]
-
-        try:
-            return await asyncio.to_thread(render)
-        except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
-            raise APIError(400, f"The messages could not be rendered with the chat template: {exc}",
-                           param="messages") from exc
+        conversation = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                             add_generation_prompt=body.add_generation_prompt)
+        return await self.serving.render_chat(conversation, body.continue_final_message,
+                                              bool(body.add_special_tokens))
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         """The text of the ids, special tokens included (as vLLM and transformers decode), so a
