@@ -24,7 +24,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], t
         help_text = f.metadata["help"].replace("%", "%%")  # argparse formats help strings with %
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not MISSING else None
-        if kind is bool:
+        if hasattr(kind, "parse"):  # a nested config as JSON (`--speculative-config '{...}'`), parsed by the config
+            group.add_argument(flag, type=str, default=default, help=help_text)
+        elif kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif typing.get_origin(kind) is list:  # `--served-model-name a b`
             group.add_argument(flag, nargs="+", type=typing.get_args(kind)[0], default=default, help=help_text)
@@ -54,6 +56,8 @@ def config_flags(config: EngineConfig | ServerConfig) -> list[str]:
             flags.append(f"--{flag}" if value else f"--no-{flag}")
         elif isinstance(value, list):
             flags += [f"--{flag}", *map(str, value)]
+        elif hasattr(value, "to_json"):
+            flags += [f"--{flag}", value.to_json()]
         elif value is not None:
             flags += [f"--{flag}", str(value)]
     return flags

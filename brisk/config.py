@@ -9,6 +9,7 @@ vLLM has the same knob.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -34,6 +35,67 @@ def _knob(default, help: str, **kwargs):
 def knobs(config_cls: type) -> list[dataclasses.Field]:
     """The fields of EngineConfig or ServerConfig: one command-line flag each."""
     return list(dataclasses.fields(config_cls))
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` keys: a drafter proposes up to
+    num_speculative_tokens tokens per step and the model verifies them in one forward pass.
+
+    ngram (prompt lookup): the last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+    are looked up in the prompt and the text generated so far, and the tokens that followed
+    their latest earlier occurrence are proposed. Given only one of the two bounds, the other
+    takes its value, as in vLLM.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # Speculation costs rows of the verify pass; past this many running sequences a step is
+    # compute-bound and it stops paying (None: the engine's measured default, see brisk/spec).
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be in 1..16, "
+                              f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max, self.prompt_lookup_min = 4, 2
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError(f"speculative_config.disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str") -> "SpeculativeConfig":
+        """From a dict (`LLM(speculative_config={...})`) or its JSON (`--speculative-config '{...}'`)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
 
 
 @dataclass
@@ -75,10 +137,15 @@ class EngineConfig:
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
     enable_chunked_prefill: bool = _knob(True, "Split long prompts across steps so decodes keep flowing.")
     enable_prefix_caching: bool = _knob(True, "Reuse KV blocks of prompts that share a prefix.")
+    speculative_config: SpeculativeConfig | None = _knob(
+        None, 'Speculative decoding as JSON, in vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup); default: off.')
     seed: int = _knob(0, "Seed of the generator that gives each request without a seed its own.")
     num_threads: int | None = _knob(None, "CPU threads for torch; default: all cores.")
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in ("auto", *_DTYPES):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):

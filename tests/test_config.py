@@ -39,3 +39,26 @@ def test_served_model_name_takes_one_name_or_several_aliases():
     for names in ([], ["a", ""], ["a", "a"]):
         with pytest.raises(ConfigError, match="served_model_name"):
             ServerConfig(served_model_name=names)
+
+
+def test_speculative_config_comes_as_a_dict_or_json_and_round_trips_through_flags():
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
+    spec = config.speculative_config
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (3, 5, 5)  # as vLLM
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, EngineConfig, "engine")
+    assert config_from_args(EngineConfig, parser.parse_args(config_flags(config))) == config
+    assert EngineConfig(speculative_config='{"prompt_lookup_min": 2}').speculative_config.prompt_lookup_max == 2
+
+
+@pytest.mark.parametrize("value, names", [
+    ({"method": "eagle"}, "method"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"num_spec_tokens": 2}, "num_spec_tokens"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+])
+def test_a_bad_speculative_config_names_what_is_wrong(value, names):
+    with pytest.raises(ConfigError, match=names):
+        EngineConfig(speculative_config=value)

@@ -17,3 +17,47 @@ def chat_prompts(num_prompts: int) -> list[list[Message]]:
         round_ = i // (len(TEMPLATES) * len(TOPICS))
         prompts.append([{"role": "user", "content": text + (f" (take {round_ + 1})" if round_ else "")}])
     return prompts
+
+
+_PASSAGES = [
+    "The old lighthouse stood at the end of the pier for more than a century. Every night its keeper climbed "
+    "the hundred and twelve steps, trimmed the wick, and wound the clockwork that turned the lens. Ships "
+    "passing the rocks at the mouth of the bay counted its flashes to know where they were.",
+    "Bees visit flowers to collect nectar and pollen. Nectar is carried back to the hive, where it is "
+    "passed from bee to bee and slowly turned into honey. Pollen is packed into cells and mixed with nectar "
+    "to feed the young. A single hive can hold tens of thousands of bees in summer.",
+    "Glass is made by melting sand, soda ash and limestone in a furnace at about fifteen hundred degrees. "
+    "The molten glass is then floated on a bath of liquid tin, which gives it a perfectly flat surface, "
+    "and cooled slowly so that it does not crack.",
+    "The train left the station at seven in the morning and followed the river north for three hours. At "
+    "noon it climbed into the mountains, crossing eleven bridges and passing through a tunnel two miles "
+    "long before it reached the village at the top of the valley.",
+]
+
+_CODE = [
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price "
+    "* item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n        word = word.lower()\n"
+    "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+]
+
+_COPY_TEMPLATES = [
+    "Rewrite the following text in the past tense where it is not already, changing nothing else:\n\n{}",
+    "Repeat the following paragraph exactly, then give it a title:\n\n{}",
+    "Correct any mistakes in this text and return the full corrected text:\n\n{}",
+    "Extract every sentence of this text that mentions a number, word for word:\n\n{}",
+]
+
+_CODE_TEMPLATES = [
+    "Rename the function in this code to `compute` and return the whole code:\n\n```python\n{}```",
+    "Add type hints to this function and return the whole function:\n\n```python\n{}```",
+]
+
+
+def copy_prompts(num_prompts: int) -> list[list[Message]]:
+    """Requests whose answers copy long runs of their prompt: rewrites, extraction, code edits
+    (where prompt lookup drafts well)."""
+    texts = [t.format(p) for p in _PASSAGES for t in _COPY_TEMPLATES] + [t.format(c) for c in _CODE
+                                                                        for t in _CODE_TEMPLATES]
+    order = [texts[(i * 7) % len(texts)] for i in range(len(texts))]  # mix the kinds
+    return [[{"role": "user", "content": order[i % len(order)]}] for i in range(num_prompts)]

@@ -19,11 +19,12 @@ from brisk.quant.kv_cache import kv_bytes_per_token
 from brisk.engine.output import OutputProcessor, RequestOutput
 from brisk.engine.request import Request, RequestStatus, validate_request
 from brisk.engine.runner import ModelRunner, RunnerOutput
-from brisk.engine.scheduler import Scheduler, SchedulerOutput
+from brisk.engine.scheduler import Progress, Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.sample.grammar import Grammar, GrammarCompiler
 from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.spec.speculator import Speculator
 
 Prompt = str | list[int] | dict
 
@@ -45,6 +46,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context)
         self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
+        spec = config.speculative_config
+        self.speculator = Speculator.from_config(spec) if spec is not None else None
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.spec.vocab_size, self.tokenizer.eos_token_ids)
@@ -160,11 +163,13 @@ class LLMEngine:
         for child_id, (first_position, chunk_logprobs) in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(child_id, first_position, chunk_logprobs)
         progressed = self.scheduler.update(sched, result.sampled)
-        for request in progressed:
-            _record_token_times(request, now, iteration)
-        outputs, stopped = self.output_processor.process(progressed, result.logprobs, now)
+        for progress in progressed:
+            _record_progress(progress, now, iteration)
+        outputs, stopped = self.output_processor.process([p.request for p in progressed], result.logprobs, now)
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
+        if self.speculator is not None:  # drafts for the next step, now that this one's tokens are known
+            self.speculator.propose(self.scheduler.running)
         iteration.finished = [_finished_stats(o) for o in outputs if o.finished]
         self._log(iteration)
         return outputs
@@ -185,9 +190,11 @@ class LLMEngine:
                 logger.record(snapshot, iteration)
 
 
-def _record_token_times(request: Request, now: float, iteration: IterationStats) -> None:
-    times = request.times
-    iteration.num_generation_tokens += 1
+def _record_progress(progress: Progress, now: float, iteration: IterationStats) -> None:
+    request, times = progress.request, progress.request.times
+    iteration.num_generation_tokens += progress.num_new_tokens
+    if progress.num_draft_tokens:
+        iteration.spec.observe(progress.num_draft_tokens, progress.num_accepted_tokens)
     if times.first_token is None:
         times.first_token = now
         if request.child_index == 0:  # once per user request, whatever n is

@@ -157,6 +157,18 @@ class KVCacheManager:
                 block.block_hash, block.token_ids = block_hash, tokens
                 self._cached[block_hash] = block
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Returns the blocks past the first num_tokens tokens (those that held only the K/V of
+        rejected draft tokens). They are never cached: only blocks full of computed tokens are."""
+        table = self._tables[request.request_id]
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            block = table.pop()
+            assert block.ref_count == 1 and block.block_hash is None, f"block {block.block_id} is shared or cached"
+            block.ref_count = 0
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
+
     def free(self, request: Request) -> None:
         """Returns the request's blocks; cached ones stay reusable until evicted."""
         table = self._tables.pop(request.request_id, [])

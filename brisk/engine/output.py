@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from brisk.engine.request import Request, RequestStatus
+from brisk.engine.stats import SpecDecodeStats
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.sample.logprobs import TokenLogprobs
 from brisk.sampling_params import OutputKind, SamplingParams
@@ -38,6 +39,7 @@ class RequestMetrics:
     first_token_time: float | None
     last_token_time: float | None
     finished_time: float | None
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counts, summed over the n sequences
 
 
 @dataclass
@@ -120,9 +122,9 @@ class OutputProcessor:
             logprob.decoded_token = self.tokenizer.id_to_token(token_id)
         return entry
 
-    def process(self, progressed: list[Request], logprobs: dict[str, TokenLogprobs],
+    def process(self, progressed: list[Request], logprobs: dict[str, list[TokenLogprobs]],
                 now: float) -> tuple[list[RequestOutput], list[str]]:
-        """Detokenizes each progressed sequence's new token.
+        """Detokenizes each progressed sequence's new tokens (several after accepted drafts).
 
         Returns the outputs to hand out and the ids of sequences a stop string has ended (the
         engine must tell the scheduler, which only knows token-level stops).
@@ -156,20 +158,24 @@ class OutputProcessor:
         self._forget(state)
         return output
 
-    def _advance(self, state: _RequestState, seq: _Sequence, request: Request, token_logprobs) -> bool:
-        token = request.token_ids[-1]
-        seq.token_ids.append(token)
-        if token_logprobs is not None and seq.logprobs is not None:
-            seq.logprobs.append(self._with_text(token_logprobs))
-            seq.cumulative_logprob += token_logprobs[token].logprob
-        new_text = seq.detokenizer.step(token)
-        previous = len(seq.text)
-        seq.text += new_text
-        stopped = self._find_stop_string(state.params, seq, previous)
+    def _advance(self, state: _RequestState, seq: _Sequence, request: Request,
+                 logprobs: list[TokenLogprobs] | None) -> bool:
+        """Takes the request's tokens this sequence has not seen; True if a stop string ended it
+        (tokens after the one that completed the stop string are dropped)."""
+        new_tokens = request.token_ids[request.num_prompt_tokens + len(seq.token_ids):]
+        for i, token in enumerate(new_tokens):
+            seq.token_ids.append(token)
+            if logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(self._with_text(logprobs[i]))
+                seq.cumulative_logprob += logprobs[i][token].logprob
+            previous = len(seq.text)
+            seq.text += seq.detokenizer.step(token)
+            if self._find_stop_string(state.params, seq, previous):
+                return True
         if request.is_finished and seq.finish_reason is None:
             seq.finish_reason = request.status.value
             seq.stop_reason = request.stop_reason
-        return stopped
+        return False
 
     def _find_stop_string(self, params: SamplingParams, seq: _Sequence, previous_len: int) -> bool:
         if not params.stop_strings or seq.finish_reason is not None:
@@ -205,7 +211,7 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
             metrics=RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.last_token,
-                                   now if state.finished else None),
+                                   now if state.finished else None, _spec_stats(state.children.values())),
             num_cached_tokens=first.num_cached_tokens,
         )
 
@@ -231,6 +237,14 @@ class OutputProcessor:
         self._states.pop(state.request_id, None)
         for child_id in state.children:
             self._parent_of.pop(child_id, None)
+
+
+def _spec_stats(children) -> SpecDecodeStats | None:
+    """None for a request that never had drafts."""
+    total = SpecDecodeStats()
+    for child in children:
+        total.add(child.spec_stats)
+    return total if total.num_drafts else None
 
 
 def _parent_params(first_child_params: SamplingParams, n: int) -> SamplingParams:

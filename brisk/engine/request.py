@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from brisk.engine.stats import SpecDecodeStats
 from brisk.sample.grammar import Grammar
 from brisk.sampling_params import SamplingError, SamplingParams
 
@@ -71,6 +72,9 @@ class Request:
     stop_reason: int | str | None = None
     sampling_seed: int = 0  # the sequence's random stream (sample/random.py): params.seed or drawn by the engine
     grammar: Grammar | None = None  # structured outputs: where this sequence is in its grammar
+    # Speculative decoding: tokens a drafter proposed to follow token_ids, verified by the next step.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

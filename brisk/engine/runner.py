@@ -5,6 +5,15 @@ token batch, positions, the slot of each token in the block pool, padded block t
 decodes and masks for prefill chunks that continue an earlier context. Logits are computed
 only for rows that are sampled (and for prompt positions whose logprobs were asked for):
 the vocabulary projection is 20% of the model's FLOPs per token.
+
+A verify pass (a request's last token followed by its draft tokens) runs as that many decode
+rows of the one sequence, row i attending to the context up to its own position:
+
+    rows:      [ last | d0 | d1 | d2 ]          context lens  c+1, c+2, c+3, c+4
+    samples:   [  t0  | t1 | t2 | t3 ]          t_i drawn as plain decoding would draw it
+
+so the verify pass computes what plain decoding would, row for row (and small batches run in
+the same fused decode kernel). brisk/spec/verify.py turns the samples into the accepted tokens.
 """
 
 from __future__ import annotations
@@ -21,12 +30,14 @@ from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
+from brisk.spec.verify import accepted_length
 
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> the tokens it gains: accepted drafts, then the model's own next token
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one entry per gained token
     # request id -> (the prompt position the first entry predicts, the entries of this step's chunk)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
@@ -45,7 +56,7 @@ class _Batch:
     positions: torch.Tensor
     attn: AttentionMetadata
     sample_rows: torch.Tensor
-    sample_requests: list[Request]
+    sample_chunks: list[ScheduledChunk]  # each samples 1 + len(draft_token_ids) consecutive rows
     prompt_logprob_rows: list[_PromptLogprobRows]
 
 
@@ -66,53 +77,64 @@ class ModelRunner:
         batch = self._prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         out = RunnerOutput()
-        if batch.sample_requests:
-            self._sample(hidden[batch.sample_rows], batch.sample_requests, out)
+        if batch.sample_chunks:
+            self._sample(hidden[batch.sample_rows], batch.sample_chunks, out)
         for rows in batch.prompt_logprob_rows:
             logits = self.model.compute_logits(hidden[rows.rows])
             out.prompt_logprobs[rows.request.request_id] = (rows.first_position, prompt_logprobs(
                 logits, rows.targets, rows.request.params.prompt_logprobs))
         return out
 
-    def _sample(self, hidden: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
+    def _sample(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], out: RunnerOutput) -> None:
         logits = self.model.compute_logits(hidden)
-        rows = [_sampling_row(r) for r in requests]
+        rows = [row for c in chunks for row in _sampling_rows(c)]
         sampled = sample(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device))
         tokens = sampled.token_ids.tolist()
-        out.sampled = {r.request_id: token for r, token in zip(requests, tokens)}
+        entries = None
         if sampled.logprobs is not None:
-            entries = token_logprobs(sampled.logprobs, tokens, [r.params.logprobs for r in requests])
-            out.logprobs = {r.request_id: e for r, e in zip(requests, entries) if e is not None}
+            entries = token_logprobs(sampled.logprobs, tokens, [r.params.logprobs for r in rows])
+        first = 0
+        for chunk in chunks:
+            drafts = chunk.draft_token_ids
+            samples = tokens[first:first + len(drafts) + 1]
+            gained = samples[:accepted_length(drafts, samples) + 1]
+            out.sampled[chunk.request.request_id] = gained
+            if entries is not None and entries[first] is not None:
+                out.logprobs[chunk.request.request_id] = entries[first:first + len(gained)]
+            first += len(drafts) + 1
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
-        decodes = [c for c in sched.chunks if c.num_new_tokens == 1]
-        prefills = [c for c in sched.chunks if c.num_new_tokens > 1]
+        decodes = [c for c in sched.chunks if c.is_decode]
+        prefills = [c for c in sched.chunks if not c.is_decode]
         ids, positions, blocks = [], [], []
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in sched.chunks}
         for chunk in decodes + prefills:
             r, start = chunk.request, chunk.request.num_computed_tokens
             table = tables[r.request_id]
             span = range(start, start + chunk.num_new_tokens)
-            ids.extend(r.token_ids[start:start + chunk.num_new_tokens])
+            ids.extend(r.token_ids[start:start + chunk.num_new_tokens - len(chunk.draft_token_ids)])
+            ids.extend(chunk.draft_token_ids)
             positions.extend(span)
             blocks.extend(table[p // self.block_size] for p in span)
         positions_t = torch.tensor(positions, dtype=torch.long)
+        num_decode_rows = sum(c.num_new_tokens for c in decodes)
         attn = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
             slot_offsets=(positions_t % self.block_size).to(self.device),
-            num_decodes=len(decodes),
+            num_decodes=num_decode_rows,
         )
         if decodes:
             attn.decode_block_tables, attn.decode_context_lens = self._decode_tables(decodes, tables)
-        sample_rows, sample_requests, prompt_rows = [], [], []
+        sample_rows, sample_chunks, prompt_rows = [], [], []
         row = 0
         for chunk in decodes + prefills:
             r, n = chunk.request, chunk.num_new_tokens
-            if n > 1:
+            if not chunk.is_decode:
                 attn.prefills.append(self._prefill_span(chunk, row, tables[r.request_id]))
             if chunk.completes_sequence:
-                sample_rows.append(row + n - 1)
-                sample_requests.append(r)
+                first = row + n - 1 - len(chunk.draft_token_ids)
+                sample_rows.extend(range(first, row + n))
+                sample_chunks.append(chunk)
             if r.params.prompt_logprobs is not None:
                 prompt_rows.extend(self._prompt_logprob_rows(chunk, row))
             row += n
@@ -121,18 +143,23 @@ class ModelRunner:
             positions=positions_t.to(self.device),
             attn=attn,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-            sample_requests=sample_requests,
+            sample_chunks=sample_chunks,
             prompt_logprob_rows=prompt_rows,
         )
 
     def _decode_tables(self, decodes: list[ScheduledChunk],
                        block_ids: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables padded to the longest (padding is never read: context_lens bound it)."""
-        tables = [block_ids[c.request.request_id] for c in decodes]
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        context_lens = torch.tensor([c.request.num_computed_tokens + 1 for c in decodes], dtype=torch.long)
-        return padded.to(self.device), context_lens.to(self.device)
+        """A block table and a context length per decode row, tables padded to the longest
+        (padding is never read: context_lens bound it). A verify pass's rows share the table."""
+        width = max(len(block_ids[c.request.request_id]) for c in decodes)
+        tables, context_lens = [], []
+        for c in decodes:
+            table = block_ids[c.request.request_id]
+            tables.extend([table + [0] * (width - len(table))] * c.num_new_tokens)
+            start = c.request.num_computed_tokens
+            context_lens.extend(range(start + 1, start + 1 + c.num_new_tokens))
+        return (torch.tensor(tables, dtype=torch.long, device=self.device),
+                torch.tensor(context_lens, dtype=torch.long, device=self.device))
 
     def _prefill_span(self, chunk: ScheduledChunk, row: int, block_ids: list[int]) -> PrefillSpan:
         start, n = chunk.request.num_computed_tokens, chunk.num_new_tokens
@@ -150,6 +177,12 @@ class ModelRunner:
         return [_PromptLogprobRows(r, slice(row, row + count), r.token_ids[start + 1:start + 1 + count], start + 1)]
 
 
-def _sampling_row(request: Request) -> SamplingRow:
-    return SamplingRow(request.params, request.token_ids, request.num_prompt_tokens, request.eos_token_ids,
-                       request.sampling_seed, request.grammar)
+def _sampling_rows(chunk: ScheduledChunk) -> list[SamplingRow]:
+    """The rows a chunk samples: the next token, then, for each draft, the token after it as if
+    the drafts before it had been accepted (penalties, min_tokens and the random stream see
+    them as output)."""
+    r, drafts = chunk.request, chunk.draft_token_ids
+    assert r.grammar is None or not drafts, "drafts of a constrained sequence would be sampled unconstrained"
+    first = SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.eos_token_ids, r.sampling_seed, r.grammar)
+    return [first] + [SamplingRow(r.params, r.token_ids + drafts[:i + 1], r.num_prompt_tokens, r.eos_token_ids,
+                                  r.sampling_seed) for i in range(len(drafts))]

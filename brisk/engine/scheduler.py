@@ -18,6 +18,12 @@ step 3, so a stream of short arrivals can slow a long prompt down but not stop i
 chunked prefill, prompts are admitted in arrival order, and one over the budget runs as the
 step's only prefill.
 
+Speculative decoding adds no phase either: a running request that carries draft tokens
+(request.draft_token_ids, proposed after the previous step) is scheduled for 1 + k tokens, its
+last token and the drafts, priced like any chunk. The step verifies them; update() keeps the
+K/V of the drafts the model accepted and returns the blocks that held only rejected ones. When
+memory is short a request drops its drafts before anyone is preempted.
+
 When the block pool cannot hold a running request's next tokens, the newest running request
 is preempted: its blocks go back to the pool and it returns to the head of the waiting queue,
 to be recomputed later (its full blocks usually survive in the prefix cache, so the recompute
@@ -70,12 +76,30 @@ class StepCost:
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
+    draft_token_ids: list[int] = field(default_factory=list)  # verified in this step, after the last token
 
     @property
     def completes_sequence(self) -> bool:
         """True when, after this chunk, every known token has K/V, so the next one is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_known = self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.num_computed_tokens + num_known == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One query per position that follows the cache, however many: a decode, a verify pass
+        (the last token and its drafts), or a one-token prompt chunk."""
+        return self.num_new_tokens == 1 or bool(self.draft_token_ids)
+
+
+@dataclass
+class Progress:
+    """A request that gained tokens in a step."""
+
+    request: Request
+    num_new_tokens: int  # several when drafts were accepted
+    num_draft_tokens: int = 0  # drafts verified in the step
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -134,14 +158,18 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> float:
-        """Schedules every running request that has one token left to compute; returns their cost."""
+        """Schedules every running request that has one token left to compute, with its drafts
+        if the pool has room for them; returns their cost."""
         cost = 0.0
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # preempted a moment ago, or a prefill
-            if self._allocate_running(request, 1, out):
-                out.chunks.append(ScheduledChunk(request, 1))
-                cost += self.cost(1, request.num_computed_tokens)
+            drafts = request.draft_token_ids
+            if drafts and not self.kv.allocate(request, 1 + len(drafts)):
+                drafts = []
+            if drafts or self._allocate_running(request, 1, out):
+                out.chunks.append(ScheduledChunk(request, 1 + len(drafts), drafts))
+                cost += self.cost(1 + len(drafts), request.num_computed_tokens)
         return cost
 
     def _allocate_running(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
@@ -240,24 +268,50 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self._enqueue(request, front=True)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Records a finished step: computed tokens, newly sampled tokens, finished requests.
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Progress]:
+        """Records a finished step: computed tokens, new tokens, finished requests.
 
-        Returns the requests that gained a token this step, finished or not.
+        `sampled` holds, per request that reached the end of its known tokens, the tokens it
+        gains: the drafts the model accepted, then one of its own. Returns the requests that
+        gained tokens, finished or not.
         """
         progressed = []
         for chunk in out.chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_full_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue  # a prompt chunk that is not the last one
-            request.append_token(token)
-            progressed.append(request)
+            tokens = sampled.get(request.request_id)
+            if tokens is None:  # a prompt chunk that is not the last one
+                request.num_computed_tokens += chunk.num_new_tokens
+                self.kv.cache_full_blocks(request)
+                continue
+            num_drafts = len(chunk.draft_token_ids)
+            progressed.append(Progress(request, self._append(request, chunk, tokens), num_drafts,
+                                       len(tokens) - 1 if num_drafts else 0))
             if request.is_finished:
                 self._remove(request)
         return progressed
+
+    def _append(self, request: Request, chunk: ScheduledChunk, tokens: list[int]) -> int:
+        """Appends the step's tokens (up to one that finishes the request); returns how many.
+
+        The chunk computed K/V for the known tokens and every draft; a draft's is valid if the
+        draft was accepted (tokens[i] == drafts[i] for it and all before it), and the blocks
+        beyond the valid ones go back to the pool.
+        """
+        drafts = chunk.draft_token_ids
+        num_accepted = len(tokens) - 1
+        appended = 0
+        for token in tokens:
+            request.append_token(token)
+            appended += 1
+            if request.is_finished:
+                break
+        request.num_computed_tokens += chunk.num_new_tokens - len(drafts) + min(num_accepted, appended)
+        request.draft_token_ids = []
+        if drafts:
+            request.spec_stats.observe(len(drafts), num_accepted)
+            self.kv.trim(request, request.num_computed_tokens)
+        self.kv.cache_full_blocks(request)
+        return appended
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request early (abort, or a stop string found after detokenizing)."""

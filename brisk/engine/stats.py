@@ -26,12 +26,41 @@ class FinishedRequestStats:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counts, for one step or one request (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # verify passes that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verify pass: its first num_accepted drafts were accepted."""
+        self.add(SpecDecodeStats(1, num_draft_tokens, num_accepted, [1] * num_accepted))
+
+    def add(self, other: "SpecDecodeStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        missing = len(other.accepted_per_position) - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(missing, 0))
+        for i, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += count
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verify pass: the accepted drafts plus the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class IterationStats:
     num_sequences: int = 0  # sequences that advanced in this step (the batch size)
     num_batched_tokens: int = 0
     num_prompt_tokens: int = 0  # prompts of requests that produced their first token this step
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

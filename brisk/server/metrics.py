@@ -40,6 +40,12 @@ class PrometheusStatLogger:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self._success = Counter("brisk:request_success", "Finished requests by finish reason.",
                                 labelnames=[*labels, "finished_reason"], registry=r)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verify passes that carried draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_position = Counter("brisk:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft (0 = first).",
+                                          labelnames=[*labels, "position"], registry=r)
         self._labels = labels
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
@@ -61,6 +67,13 @@ class PrometheusStatLogger:
         self.preemptions.inc(iteration.num_preemptions)
         if iteration.num_sequences:
             self.batch_size.observe(iteration.num_sequences)
+        spec = iteration.spec
+        if spec.num_drafts:
+            self.spec_drafts.inc(spec.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted.inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.accepted_per_position):
+                self._spec_per_position.labels(**self._labels, position=str(position)).inc(count)
         for value in iteration.time_to_first_tokens:
             self.ttft.observe(value)
         for value in iteration.inter_token_latencies:

@@ -44,7 +44,7 @@ def _feed(processor: OutputProcessor, request: Request, piece: str,
           logprob: float | None = None) -> tuple[list[RequestOutput], list[str]]:
     """One engine step in which `request` sampled `piece`."""
     request.append_token(ID[piece])
-    logprobs = {} if logprob is None else {request.request_id: {ID[piece]: Logprob(logprob, rank=1)}}
+    logprobs = {} if logprob is None else {request.request_id: [{ID[piece]: Logprob(logprob, rank=1)}]}
     return processor.process([request], logprobs, now=100.0)
 
 

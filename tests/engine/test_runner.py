@@ -19,7 +19,7 @@ import torch
 
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
-from brisk.engine.runner import ModelRunner, _sampling_row
+from brisk.engine.runner import ModelRunner, _sampling_rows
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.sampling_params import SamplingParams
@@ -87,7 +87,7 @@ def test_prefill_spans_cover_their_rows_and_the_context_before_them(runner):
 def test_only_rows_that_complete_their_sequence_are_sampled(runner):
     batch = runner._prepare(_mixed_step(runner))
     assert batch.sample_rows.tolist() == [0, 1, 5]  # d1, d2 and the last token of p1
-    assert [r.request_id for r in batch.sample_requests] == ["d1", "d2", "p1"]
+    assert [c.request.request_id for c in batch.sample_chunks] == ["d1", "d2", "p1"]
 
 
 def test_prompt_logprob_rows_are_the_chunk_positions_followed_by_a_prompt_token(runner):
@@ -109,8 +109,9 @@ def test_execute_samples_and_reports_logprobs_only_where_asked(runner):
     out = runner.execute(_mixed_step(runner))
     assert list(out.sampled) == ["d1", "d2", "p1"]
     assert list(out.logprobs) == ["d2"]
-    d2_token = out.sampled["d2"]
-    assert list(out.logprobs["d2"])[0] == d2_token and out.logprobs["d2"][d2_token].rank == 1  # greedy
+    assert all(len(tokens) == 1 for tokens in out.sampled.values())
+    [d2_token], [d2_logprobs] = out.sampled["d2"], out.logprobs["d2"]
+    assert list(d2_logprobs)[0] == d2_token and d2_logprobs[d2_token].rank == 1  # greedy
     # p1 computes positions 6-9 (its prompt ends at 9), so predicts 7-9; p2 computes 0-4, so predicts 1-5
     assert {rid: (first, len(entries)) for rid, (first, entries) in out.prompt_logprobs.items()} == \
         {"p1": (7, 3), "p2": (1, 5)}
@@ -130,7 +131,7 @@ def test_prompt_logprobs_of_a_fresh_chunk_do_not_depend_on_the_rest_of_the_batch
 def test_sampling_rows_share_the_request_tokens():
     request = Request("r", [1, 2, 3], SamplingParams(seed=4), eos_token_ids=(2,), sampling_seed=4)
     request.append_token(9)
-    row = _sampling_row(request)
+    [row] = _sampling_rows(ScheduledChunk(request, 1))
     assert (row.prompt_token_ids, row.output_token_ids, row.eos_token_ids) == ([1, 2, 3], [9], (2,))
     assert row.params is request.params and row.seed == 4 and row.num_output_tokens == 1
     assert row.token_ids is request.token_ids

@@ -24,7 +24,7 @@ def _step(s: Scheduler, token: int = 7):
     """Schedules, then pretends the model ran and sampled `token` wherever a sample is due."""
     out = s.schedule()
     plan = [(c.request.request_id, c.num_new_tokens) for c in out.chunks]
-    sampled = {c.request.request_id: token for c in out.chunks if c.completes_sequence}
+    sampled = {c.request.request_id: [token] for c in out.chunks if c.completes_sequence}
     s.update(out, sampled)
     return plan, out
 
@@ -216,3 +216,32 @@ def test_a_prefill_advances_even_when_one_token_costs_more_than_the_budget():
             break
         _step(s)
     assert s.requests["r"].num_output_tokens == 1
+
+
+def test_drafts_are_scheduled_with_the_last_token_and_rejected_ones_give_their_blocks_back():
+    s = _scheduler(num_blocks=8, block_size=4)
+    s.add(_request("r", 3, max_tokens=20))
+    _step(s)  # the prompt; token 7 sampled
+    request = s.requests["r"]
+    request.draft_token_ids = [1, 2, 3, 4, 5]
+    out = s.schedule()
+    [chunk] = out.chunks
+    assert (chunk.num_new_tokens, chunk.draft_token_ids, chunk.completes_sequence) == (6, [1, 2, 3, 4, 5], True)
+    assert len(s.kv.block_ids("r")) == 3  # positions 0-8
+    progressed = s.update(out, {"r": [1, 2, 9]})  # two drafts accepted, then the model's own token
+    assert (progressed[0].num_new_tokens, progressed[0].num_draft_tokens, progressed[0].num_accepted_tokens) == (3, 5, 2)
+    assert request.token_ids == [0, 1, 2, 7, 1, 2, 9] and request.num_computed_tokens == 6
+    assert request.draft_token_ids == [] and len(s.kv.block_ids("r")) == 2  # the block of positions 8-11 is free
+    assert s.kv.num_free_blocks == 6
+
+
+def test_without_room_for_its_drafts_a_request_decodes_plainly_instead_of_preempting():
+    s = _scheduler(num_blocks=3, block_size=4)
+    s.add(_request("a", 3, max_tokens=20))
+    s.add(_request("b", 3, max_tokens=20, first_token=50))
+    _step(s)
+    s.requests["a"].draft_token_ids = [1, 2, 3, 4, 5, 6]  # would need 2 more blocks; 1 is free
+    out = s.schedule()
+    assert [(c.request.request_id, c.num_new_tokens, c.draft_token_ids) for c in out.chunks] == [
+        ("a", 1, []), ("b", 1, [])]
+    assert not out.preempted

@@ -1,0 +1,58 @@
+"""The speculator: after each step, which running sequences get drafts, and how many.
+
+It owns a drafter (the seam every drafting method plugs into: `propose(requests, num_tokens)`
+returns up to num_tokens[i] tokens for requests[i]; `forget(live)` drops state of sequences no
+longer running) and the policy around it:
+
+- a sequence drafts no further than the last token it may generate;
+- sequences under a grammar do not draft (their drafts would have to walk the grammar too);
+- past `disable_by_batch_size` running sequences nobody drafts: the batch alone then keeps the
+  step busy computing, so verify rows are no longer nearly free (measured in BENCHMARKS.md).
+
+Turning speculation off changes which positions are verified together, never what is sampled
+at a position (spec/verify.py): with exactly reproducible logits, outputs do not depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from brisk.config import SpeculativeConfig
+from brisk.engine.request import Request, RequestStatus
+from brisk.spec.ngram import NgramDrafter
+
+# Running sequences past which speculation is off by default, from `brisk bench spec` (CPU).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]: ...
+
+    def forget(self, live: set[str]) -> None: ...
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter):
+        self.config = config
+        self.drafter = drafter
+        self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig) -> "Speculator":
+        return cls(config, NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max))
+
+    def propose(self, running: list[Request]) -> None:
+        """Sets draft_token_ids of the running sequences that decode next step."""
+        self.drafter.forget({r.request_id for r in running})
+        decoding = [r for r in running if r.status is RequestStatus.RUNNING
+                    and r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding or len(running) > self.disable_by_batch_size:
+            return
+        budgets = [self._budget(r) for r in decoding]
+        for request, drafts in zip(decoding, self.drafter.propose(decoding, budgets)):
+            request.draft_token_ids = drafts
+
+    def _budget(self, request: Request) -> int:
+        if request.grammar is not None:
+            return 0
+        return max(0, min(self.config.num_speculative_tokens, request.max_total_tokens - request.num_tokens - 1))

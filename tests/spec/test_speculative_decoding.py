@@ -1,0 +1,222 @@
+"""Speculative decoding through the engine on tiny random models: the same tokens as plain
+decoding (greedy and seeded sampling), alone, batched, chunked and preempted; the target's
+distribution under sampling (chi-square); stops inside an accepted run; no KV leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk import LLM, SamplingParams
+from brisk.config import SpeculativeConfig
+from brisk.engine.request import Request
+from brisk.spec.speculator import Speculator
+from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [30, 31, 32], list(range(10, 47)), [9, 9, 9, 9], [40, 41, 40, 41, 40],
+           list(range(50, 70)) + list(range(50, 60))]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("spec")), "llama")
+
+
+class ScriptedDrafter:
+    """Proposes a known continuation of each prompt, wrong at every `wrong_every`-th position, so
+    verify passes accept a few drafts and then reject one."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int = 3):
+        self.continuations, self.wrong_every = continuations, wrong_every
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        drafts = []
+        for request, k in zip(requests, num_tokens):
+            truth = self.continuations[tuple(request.prompt_token_ids)]
+            start = request.num_output_tokens
+            proposal = list(truth[start:start + k])
+            for i in range(len(proposal)):
+                if (start + i) % self.wrong_every == self.wrong_every - 1:
+                    proposal[i] = (proposal[i] + 1) % TINY_VOCAB
+            drafts.append(proposal)
+        return drafts
+
+    def forget(self, live: set[str]) -> None:
+        pass
+
+
+class ConstantDrafter:
+    """Always proposes the same tokens: mostly rejected, now and then accepted."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def propose(self, requests, num_tokens):
+        return [self.tokens[:k] for k in num_tokens]
+
+    def forget(self, live):
+        pass
+
+
+def _llm(path: str, **options) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=96, **options)
+
+
+def _speculate(llm: LLM, drafter=None, k: int = 4, **config) -> LLM:
+    spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, **config)
+    llm.engine.speculator = Speculator(spec, drafter) if drafter else Speculator.from_config(spec)
+    return llm
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_no_leaks(llm.engine)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return _llm(tiny_dir, num_kv_blocks=64, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(plain) -> dict[tuple[int, ...], list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return {tuple(p): t for p, t in zip(PROMPTS, _tokens(plain, PROMPTS, params))}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "scripted", "constant"])
+def test_greedy_output_equals_plain_decoding_alone_and_batched(tiny_dir, greedy_reference, drafter):
+    llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
+    drafters = {"ngram": None, "scripted": ScriptedDrafter(greedy_reference), "constant": ConstantDrafter([9, 9, 9])}
+    _speculate(llm, drafters[drafter], prompt_lookup_min=1, prompt_lookup_max=3)
+    batched = _tokens(llm, PROMPTS, GREEDY)
+    alone = [_tokens(llm, [p], GREEDY)[0] for p in PROMPTS]
+    assert batched == alone == [greedy_reference[tuple(p)] for p in PROMPTS]
+    stats = [o for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+    spec = [o.metrics.spec_decode for o in stats]
+    assert all(s is not None and s.num_drafts > 0 for s in spec)  # every prompt drafted at some step
+    if drafter == "scripted":  # right twice, then wrong: 2 of every 3 drafted tokens or so are accepted
+        assert 0.4 < sum(s.num_accepted_tokens for s in spec) / sum(s.num_draft_tokens for s in spec) < 0.9
+    if drafter == "constant":
+        assert sum(s.num_accepted_tokens for s in spec) < sum(s.num_draft_tokens for s in spec) / 2
+
+
+def test_greedy_output_equals_plain_decoding_with_chunked_prefill_and_preemption(tiny_dir, greedy_reference):
+    """A 4-token step budget chunks every prompt while others verify drafts, and 24 blocks of 4
+    tokens cannot hold six sequences of ~70 tokens: requests are preempted mid-speculation."""
+    llm = _speculate(_llm(tiny_dir, num_kv_blocks=24, block_size=4, max_num_batched_tokens=8),
+                     ScriptedDrafter(greedy_reference))
+    assert _tokens(llm, PROMPTS, GREEDY) == [greedy_reference[tuple(p)] for p in PROMPTS]
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_dir, plain, greedy_reference):
+    """Each position's token is drawn from the same distribution with the same uniform, drafted
+    or not: penalties, min_tokens and top-k/top-p see the earlier drafts as output."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=i, max_tokens=30, min_tokens=5,
+                             repetition_penalty=1.2, presence_penalty=0.3) for i in range(len(PROMPTS))]
+    reference = _tokens(plain, PROMPTS, params)
+    llm = _speculate(_llm(tiny_dir, num_kv_blocks=64, block_size=4), ScriptedDrafter(
+        {tuple(p): t for p, t in zip(PROMPTS, reference)}))
+    assert _tokens(llm, PROMPTS, params) == reference
+    assert _tokens(llm, PROMPTS[::-1], params[::-1]) == reference[::-1]  # whatever is batched with it
+
+
+def _target_distribution(tiny_dir: str, context: list[int], top_p: float) -> torch.Tensor:
+    """The model's next-token probabilities after `context` at temperature 1 with top-p
+    (threshold semantics, as the sampler applies it), from transformers."""
+    from tests.conftest import load_hf_reference
+
+    model = load_hf_reference(tiny_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0, -1].double()
+    probs = torch.softmax(logits, dim=-1)
+    ordered = probs.sort(descending=True).values
+    edge = ordered[int((ordered.cumsum(0) < top_p).sum())]
+    probs = torch.where(probs >= edge, probs, 0.0)
+    return probs / probs.sum()
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of counts against probs, tokens of tiny expected count pooled into one bin."""
+    assert not bool(counts[probs == 0].any()), "a token outside the top-p set was sampled"
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    expected = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = expected > 0
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_sampled_tokens_follow_the_target_distribution_with_a_bad_drafter(tiny_dir):
+    """2000 sequences at temperature 1 with top-p 0.9; the drafter always proposes the second
+    most likely token after the likeliest first one, so verify passes both accept and reject
+    it. The second output token, given the first, must follow the model's distribution
+    (chi-square), and so must the first (sampled by the prefill, as a check of the test)."""
+    prompt, top_p = [11, 12, 13, 14], 0.9
+    first_probs = _target_distribution(tiny_dir, prompt, top_p)
+    likely = first_probs.argsort(descending=True)[:2].tolist()
+    draft = int(_target_distribution(tiny_dir, prompt + [likely[0]], top_p).argsort(descending=True)[1])
+    llm = _speculate(_llm(tiny_dir, num_kv_blocks=4096, block_size=4, max_num_seqs=256), ConstantDrafter(
+        [draft] * 3), k=3)
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * 2000, params, use_tqdm=False)
+    assert_no_leaks(llm.engine)
+    tokens = torch.tensor([o.outputs[0].token_ids for o in outputs])
+    first_counts = torch.bincount(tokens[:, 0], minlength=TINY_VOCAB).double()
+    assert _chi_square_p_value(first_counts, first_probs) > 1e-3
+    for first in likely:  # the second token after each of the two likeliest first tokens
+        after = tokens[tokens[:, 0] == first, 1]
+        counts = torch.bincount(after, minlength=TINY_VOCAB).double()
+        assert _chi_square_p_value(counts, _target_distribution(tiny_dir, prompt + [first], top_p)) > 1e-3
+    spec = [o.metrics.spec_decode for o in outputs if o.metrics.spec_decode is not None]
+    accepted = sum(s.num_accepted_tokens for s in spec)
+    assert 0 < accepted < sum(s.num_draft_tokens for s in spec)
+
+
+def test_a_stop_inside_an_accepted_run_ends_the_output_there(tiny_dir, plain, greedy_reference):
+    prompt = PROMPTS[2]
+    truth = greedy_reference[tuple(prompt)]
+    llm = _speculate(_llm(tiny_dir, num_kv_blocks=64, block_size=4), ScriptedDrafter(greedy_reference, 99), k=6)
+    stop_id = truth[9]
+    cases = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]),
+             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                            stop=[llm.tokenizer.decode([truth[5], truth[6]])])]
+    for params in cases:
+        mine = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        reference = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert (mine.token_ids, mine.text, mine.finish_reason) == (
+            reference.token_ids, reference.text, reference.finish_reason)
+    assert len(mine.token_ids) < 10 and mine.finish_reason == "stop"
+    assert_no_leaks(llm.engine)
+
+
+def test_aborts_in_the_middle_of_speculation_leak_nothing(tiny_dir, greedy_reference):
+    llm = _speculate(_llm(tiny_dir, num_kv_blocks=64, block_size=4), ScriptedDrafter(greedy_reference))
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    assert any(r.draft_token_ids for r in engine.scheduler.running)
+    for rid in ids:
+        engine.abort_request(rid)
+    assert_no_leaks(engine)
+    assert llm.engine.speculator.drafter is not None
+
+
+def test_rejected_drafts_give_their_blocks_back(tiny_dir):
+    llm = _speculate(_llm(tiny_dir, num_kv_blocks=64, block_size=4), ConstantDrafter([1] * 8), k=8)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [20, 21, 22, 23, 24]}, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:  # a block for each 4 computed tokens, or part of it
+            assert len(engine.kv.block_ids(request.request_id)) == -(-request.num_computed_tokens // 4)
+    assert_no_leaks(engine)
