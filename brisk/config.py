@@ -37,7 +37,7 @@ def knobs(config_cls: type) -> list[dataclasses.Field]:
     return list(dataclasses.fields(config_cls))
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -49,9 +49,13 @@ class SpeculativeConfig:
     are looked up in the prompt and the text generated so far, and the tokens that followed
     their latest earlier occurrence are proposed. Given only one of the two bounds, the other
     takes its value, as in vLLM.
+
+    draft_model (the method when `model` is given): a smaller model with the same tokenizer, a
+    path, or "self-int8" / "self-int4": the model's own weights in 8 or 4 bits (for a float model).
     """
 
-    method: str = "ngram"
+    method: str | None = None  # default: draft_model if `model` is given, else ngram
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
@@ -60,12 +64,18 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"speculative_config.num_speculative_tokens must be in 1..16, "
                               f"got {self.num_speculative_tokens}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative_config.model names the draft model, and only method draft_model takes one")
+        if self.model is not None and self.model not in ("self-int8", "self-int4") and not os.path.exists(self.model):
+            raise ConfigError(f"speculative_config.model: no such path {self.model!r} (or use self-int8 / self-int4)")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_max, self.prompt_lookup_min = 4, 2
         self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min

@@ -63,6 +63,17 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(so)
     so.set_defaults(func=_main_of("brisk.bench.structured"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    sp = kinds.add_parser("spec", help="speculative decoding (ngram, self-drafts) vs plain decoding")
+    sp.add_argument("--methods", nargs="+", default=["ngram", "self-int8", "self-int4"],
+                    choices=["ngram", "self-int8", "self-int4"])
+    sp.add_argument("--num-speculative-tokens", type=int, default=4)
+    sp.add_argument("--num-prompts", type=int, default=8, help="prompts per workload (the batch of the 'at once' run)")
+    sp.add_argument("--output-len", type=int, default=128)
+    sp.add_argument("--temperature", type=float, default=0.0)
+    sp.add_argument("--rounds", type=int, default=2)
+    add_engine_arguments(sp)
+    sp.set_defaults(func=_main_of("brisk.bench.spec"), dtype="float32", kv_cache_memory_gib=2.0)
+
     st = kinds.add_parser("step", help="where a decode step's time goes: matmuls, attention, the rest")
     st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     st.add_argument("--steps", type=int, default=100)

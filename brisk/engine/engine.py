@@ -46,8 +46,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context)
         self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
-        spec = config.speculative_config
-        self.speculator = Speculator.from_config(spec) if spec is not None else None
+        self.speculator = (Speculator.build(config, self.checkpoint, self.max_model_len, num_blocks)
+                           if config.speculative_config is not None else None)
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.spec.vocab_size, self.tokenizer.eos_token_ids)
@@ -132,6 +132,8 @@ class LLMEngine:
         if it had already finished or never existed."""
         children = [self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
                     for child_id in self.output_processor.child_ids(request_id)]
+        if self.speculator is not None:
+            self.speculator.forget(self.scheduler.running)
         now = time.monotonic()
         output = self.output_processor.abort(request_id, now)
         first = next((c for c in children if c is not None), None)

@@ -104,8 +104,8 @@ class ModelRunner:
             first += len(drafts) + 1
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
-        decodes = [c for c in sched.chunks if c.is_decode]
-        prefills = [c for c in sched.chunks if not c.is_decode]
+        decodes = [c for c in sched.chunks if _as_decode_rows(c)]
+        prefills = [c for c in sched.chunks if not _as_decode_rows(c)]
         ids, positions, blocks = [], [], []
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in sched.chunks}
         for chunk in decodes + prefills:
@@ -129,7 +129,7 @@ class ModelRunner:
         row = 0
         for chunk in decodes + prefills:
             r, n = chunk.request, chunk.num_new_tokens
-            if not chunk.is_decode:
+            if not _as_decode_rows(chunk):
                 attn.prefills.append(self._prefill_span(chunk, row, tables[r.request_id]))
             if chunk.completes_sequence:
                 first = row + n - 1 - len(chunk.draft_token_ids)
@@ -175,6 +175,12 @@ class ModelRunner:
         if count <= 0:
             return []
         return [_PromptLogprobRows(r, slice(row, row + count), r.token_ids[start + 1:start + 1 + count], start + 1)]
+
+
+def _as_decode_rows(chunk: ScheduledChunk) -> bool:
+    """A decode or a verify pass: one query per token, each attending to the cache up to its
+    own position."""
+    return chunk.num_new_tokens == 1 or bool(chunk.draft_token_ids)
 
 
 def _sampling_rows(chunk: ScheduledChunk) -> list[SamplingRow]:

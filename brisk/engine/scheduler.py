@@ -85,12 +85,6 @@ class ScheduledChunk:
         num_known = self.num_new_tokens - len(self.draft_token_ids)
         return self.request.num_computed_tokens + num_known == self.request.num_tokens
 
-    @property
-    def is_decode(self) -> bool:
-        """One query per position that follows the cache, however many: a decode, a verify pass
-        (the last token and its drafts), or a one-token prompt chunk."""
-        return self.num_new_tokens == 1 or bool(self.draft_token_ids)
-
 
 @dataclass
 class Progress:

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from brisk.config import SpeculativeConfig
+from brisk.config import EngineConfig, SpeculativeConfig
 from brisk.engine.request import Request, RequestStatus
+from brisk.model.loader import Checkpoint
+from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.ngram import NgramDrafter
 
-# Running sequences past which speculation is off by default, from `brisk bench spec` (CPU).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Running sequences past which speculation is off by default, per method (`brisk bench spec`, CPU):
+# prompt lookup costs only the verify rows; a draft model also a pass of its own per draft
+# token, which already lost at 2 sequences (0.6x plain decoding).
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 4, "draft_model": 1}
 
 
 class Drafter(Protocol):
@@ -35,15 +39,23 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter):
         self.config = config
         self.drafter = drafter
-        self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[config.method]
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig) -> "Speculator":
-        return cls(config, NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max))
+    def build(cls, config: EngineConfig, target: Checkpoint, max_model_len: int, num_kv_blocks: int) -> "Speculator":
+        """The speculator of config.speculative_config; a draft model gets a KV pool as large as the model's."""
+        spec = config.speculative_config
+        if spec.method == "ngram":
+            return cls(spec, NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        return cls(spec, DraftModelDrafter.load(config, target, max_model_len, num_kv_blocks))
+
+    def forget(self, running: list[Request]) -> None:
+        """Drops the drafter's state (a draft model's KV blocks) of sequences no longer running."""
+        self.drafter.forget({r.request_id for r in running})
 
     def propose(self, running: list[Request]) -> None:
         """Sets draft_token_ids of the running sequences that decode next step."""
-        self.drafter.forget({r.request_id for r in running})
+        self.forget(running)
         decoding = [r for r in running if r.status is RequestStatus.RUNNING
                     and r.num_tokens - r.num_computed_tokens == 1]
         if not decoding or len(running) > self.disable_by_batch_size:

@@ -4,14 +4,18 @@ distribution under sampling (chi-square); stops inside an accepted run; no KV le
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.config import SpeculativeConfig
+from brisk.config import EngineConfig, SpeculativeConfig
 from brisk.engine.request import Request
+from brisk.spec.draft_model import DraftModelDrafter
+from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
-from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint
+from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint, load_hf_reference
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [30, 31, 32], list(range(10, 47)), [9, 9, 9, 9], [40, 41, 40, 41, 40],
            list(range(50, 70)) + list(range(50, 60))]
@@ -20,6 +24,12 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [30, 31, 32], list(range(10, 47)), [9
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("spec")), "llama")
+
+
+@pytest.fixture(scope="module")
+def other_tiny_dir(tmp_path_factory) -> str:
+    """Another random model with the same tokenizer: a draft model that is mostly wrong."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("spec-draft")), "qwen2")
 
 
 class ScriptedDrafter:
@@ -63,9 +73,17 @@ def _llm(path: str, **options) -> LLM:
 
 
 def _speculate(llm: LLM, drafter=None, k: int = 4, **config) -> LLM:
+    """Turns speculation on with `drafter` (default: prompt lookup as configured)."""
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, **config)
-    llm.engine.speculator = Speculator(spec, drafter) if drafter else Speculator.from_config(spec)
+    llm.engine.speculator = Speculator(spec, drafter or NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
     return llm
+
+
+def _draft_model(llm: LLM, draft: str) -> DraftModelDrafter:
+    """A draft model for llm's engine, as LLM(speculative_config={"model": draft}) loads it."""
+    engine = llm.engine
+    config = EngineConfig(model=engine.config.model, dtype="float32", speculative_config={"model": draft})
+    return DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, engine.kv.num_blocks)
 
 
 def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
@@ -88,11 +106,14 @@ def greedy_reference(plain) -> dict[tuple[int, ...], list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "scripted", "constant"])
-def test_greedy_output_equals_plain_decoding_alone_and_batched(tiny_dir, greedy_reference, drafter):
+@pytest.mark.parametrize("drafter", ["ngram", "scripted", "constant", "same-model", "self-int8", "other-model"])
+def test_greedy_output_equals_plain_decoding_alone_and_batched(tiny_dir, other_tiny_dir, greedy_reference, drafter):
     llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
-    drafters = {"ngram": None, "scripted": ScriptedDrafter(greedy_reference), "constant": ConstantDrafter([9, 9, 9])}
-    _speculate(llm, drafters[drafter], prompt_lookup_min=1, prompt_lookup_max=3)
+    drafters = {"ngram": lambda: None, "scripted": lambda: ScriptedDrafter(greedy_reference),
+                "constant": lambda: ConstantDrafter([9, 9, 9]), "same-model": lambda: _draft_model(llm, tiny_dir),
+                "self-int8": lambda: _draft_model(llm, "self-int8"),
+                "other-model": lambda: _draft_model(llm, other_tiny_dir)}
+    _speculate(llm, drafters[drafter](), prompt_lookup_min=1, prompt_lookup_max=3)
     batched = _tokens(llm, PROMPTS, GREEDY)
     alone = [_tokens(llm, [p], GREEDY)[0] for p in PROMPTS]
     assert batched == alone == [greedy_reference[tuple(p)] for p in PROMPTS]
@@ -101,37 +122,51 @@ def test_greedy_output_equals_plain_decoding_alone_and_batched(tiny_dir, greedy_
     assert all(s is not None and s.num_drafts > 0 for s in spec)  # every prompt drafted at some step
     if drafter == "scripted":  # right twice, then wrong: 2 of every 3 drafted tokens or so are accepted
         assert 0.4 < sum(s.num_accepted_tokens for s in spec) / sum(s.num_draft_tokens for s in spec) < 0.9
-    if drafter == "constant":
+    if drafter in ("constant", "other-model"):
         assert sum(s.num_accepted_tokens for s in spec) < sum(s.num_draft_tokens for s in spec) / 2
+    rate = sum(s.num_accepted_tokens for s in spec) / sum(s.num_draft_tokens for s in spec)
+    if drafter == "same-model":  # the draft's shadows follow the target's tokens exactly
+        assert rate > 0.95
+    if drafter == "self-int8":  # the model's own weights in 8 bits mostly agree with it
+        assert rate > 0.6
 
 
-def test_greedy_output_equals_plain_decoding_with_chunked_prefill_and_preemption(tiny_dir, greedy_reference):
-    """A 4-token step budget chunks every prompt while others verify drafts, and 24 blocks of 4
+@pytest.mark.parametrize("drafter", ["scripted", "draft-model"])
+def test_greedy_output_equals_plain_decoding_with_chunked_prefill_and_preemption(tiny_dir, greedy_reference,
+                                                                                 drafter):
+    """An 8-token step budget chunks every prompt while others verify drafts, and 24 blocks of 4
     tokens cannot hold six sequences of ~70 tokens: requests are preempted mid-speculation."""
-    llm = _speculate(_llm(tiny_dir, num_kv_blocks=24, block_size=4, max_num_batched_tokens=8),
-                     ScriptedDrafter(greedy_reference))
+    llm = _llm(tiny_dir, num_kv_blocks=24, block_size=4, max_num_batched_tokens=8)
+    _speculate(llm, ScriptedDrafter(greedy_reference) if drafter == "scripted" else _draft_model(llm, "self-int8"))
     assert _tokens(llm, PROMPTS, GREEDY) == [greedy_reference[tuple(p)] for p in PROMPTS]
     assert llm.engine.scheduler.stats.num_preemptions > 0
+    if drafter == "draft-model":
+        assert llm.engine.speculator.drafter.kv.num_free_blocks == 24  # its shadows left with their requests
 
 
-def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_dir, plain, greedy_reference):
+@pytest.mark.parametrize("drafter", ["scripted", "draft-model"])
+def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_dir, plain, drafter):
     """Each position's token is drawn from the same distribution with the same uniform, drafted
     or not: penalties, min_tokens and top-k/top-p see the earlier drafts as output."""
     params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=i, max_tokens=30, min_tokens=5,
                              repetition_penalty=1.2, presence_penalty=0.3) for i in range(len(PROMPTS))]
     reference = _tokens(plain, PROMPTS, params)
-    llm = _speculate(_llm(tiny_dir, num_kv_blocks=64, block_size=4), ScriptedDrafter(
-        {tuple(p): t for p, t in zip(PROMPTS, reference)}))
+    llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
+    _speculate(llm, ScriptedDrafter({tuple(p): t for p, t in zip(PROMPTS, reference)}) if drafter == "scripted"
+               else _draft_model(llm, "self-int4"))
     assert _tokens(llm, PROMPTS, params) == reference
     assert _tokens(llm, PROMPTS[::-1], params[::-1]) == reference[::-1]  # whatever is batched with it
+
+
+@functools.cache
+def _hf_model(path: str):
+    return load_hf_reference(path)
 
 
 def _target_distribution(tiny_dir: str, context: list[int], top_p: float) -> torch.Tensor:
     """The model's next-token probabilities after `context` at temperature 1 with top-p
     (threshold semantics, as the sampler applies it), from transformers."""
-    from tests.conftest import load_hf_reference
-
-    model = load_hf_reference(tiny_dir)
+    model = _hf_model(tiny_dir)
     with torch.no_grad():
         logits = model(torch.tensor([context])).logits[0, -1].double()
     probs = torch.softmax(logits, dim=-1)
@@ -198,8 +233,9 @@ def test_a_stop_inside_an_accepted_run_ends_the_output_there(tiny_dir, plain, gr
     assert_no_leaks(llm.engine)
 
 
-def test_aborts_in_the_middle_of_speculation_leak_nothing(tiny_dir, greedy_reference):
-    llm = _speculate(_llm(tiny_dir, num_kv_blocks=64, block_size=4), ScriptedDrafter(greedy_reference))
+def test_aborts_in_the_middle_of_speculation_leak_nothing(tiny_dir):
+    llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
+    _speculate(llm, _draft_model(llm, "self-int8"))
     engine = llm.engine
     ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
     for _ in range(3):
@@ -208,7 +244,7 @@ def test_aborts_in_the_middle_of_speculation_leak_nothing(tiny_dir, greedy_refer
     for rid in ids:
         engine.abort_request(rid)
     assert_no_leaks(engine)
-    assert llm.engine.speculator.drafter is not None
+    assert engine.speculator.drafter.kv.num_free_blocks == 64  # the draft model's shadows went too
 
 
 def test_rejected_drafts_give_their_blocks_back(tiny_dir):

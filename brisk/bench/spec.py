@@ -1,0 +1,98 @@
+"""Speculative decoding against plain decoding: one target model, in one process, in interleaved rounds.
+
+Each drafting method runs on the workload it is meant for, beside plain decoding of the same
+prompts: prompt lookup (ngram) on requests whose answers copy their prompt (rewrites,
+extraction, code edits), draft models on chat prompts. Single stream (the prompts one after
+another) and 8 at once (as a batch). The speculators are built once and swapped in and out of
+the same engine, so every mode runs on the same target weights and kernels.
+
+At 8 concurrent requests the default policy switches speculation off (spec/speculator.py);
+a "forced" row keeps it on at that batch size, to show what the policy avoids.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from brisk.args import engine_config_from_args
+from brisk.bench.workloads import chat_prompts, copy_prompts
+from brisk.config import SpeculativeConfig
+from brisk.engine.stats import SpecDecodeStats
+from brisk.llm import LLM
+from brisk.sampling_params import SamplingParams
+from brisk.spec.speculator import DEFAULT_DISABLE_BY_BATCH_SIZE, Speculator
+
+
+@dataclass
+class Run:
+    tokens_per_second: float
+    spec: SpecDecodeStats
+
+
+def speculators(llm: LLM, k: int, methods: list[str]) -> dict[str, Speculator | None]:
+    engine = llm.engine
+    specs = {"ngram": SpeculativeConfig(num_speculative_tokens=k),
+             "self-int8": SpeculativeConfig(model="self-int8", num_speculative_tokens=k),
+             "self-int4": SpeculativeConfig(model="self-int4", num_speculative_tokens=k)}
+    built: dict[str, Speculator | None] = {"plain": None}
+    for method in methods:
+        config = replace(engine.config, speculative_config=specs[method])
+        built[method] = Speculator.build(config, engine.checkpoint, engine.max_model_len, engine.kv.num_blocks)
+    return built
+
+
+def run(llm: LLM, speculator: Speculator | None, conversations: list, params: SamplingParams, together: bool,
+        forced: bool = False) -> Run:
+    engine = llm.engine
+    engine.speculator = speculator
+    if speculator is not None:
+        speculator.disable_by_batch_size = 64 if forced else DEFAULT_DISABLE_BY_BATCH_SIZE[speculator.config.method]
+    start = time.perf_counter()
+    batches = [conversations] if together else [[c] for c in conversations]
+    outputs = [o for batch in batches for o in llm.chat(batch, params, use_tqdm=False)]
+    elapsed = time.perf_counter() - start
+    engine.speculator = None
+    stats = SpecDecodeStats()
+    for o in outputs:
+        if o.metrics.spec_decode is not None:
+            stats.add(o.metrics.spec_decode)
+    return Run(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed, stats)
+
+
+def main(args) -> None:
+    llm = LLM.from_config(engine_config_from_args(args))
+    methods = {"copy": [m for m in args.methods if m == "ngram"] or args.methods, "chat": args.methods}
+    built = speculators(llm, args.num_speculative_tokens, args.methods)
+    params = SamplingParams(temperature=args.temperature, top_p=0.95 if args.temperature else 1.0, seed=1,
+                            max_tokens=args.output_len)
+    print(f"model: {llm.engine.checkpoint.path} ({args.dtype}), threads: {torch.get_num_threads()}, "
+          f"k = {args.num_speculative_tokens}, temperature {args.temperature}, {args.output_len} tokens per request")
+    workloads = {"copy": copy_prompts(args.num_prompts), "chat": chat_prompts(args.num_prompts)}
+    llm.chat(chat_prompts(2), replace(params, max_tokens=4), use_tqdm=False)  # warm-up: kernels built
+    print("\n| workload | requests | method | output tok/s (median) | vs plain | acceptance | mean accepted length "
+          "| accepted by position | every round |")
+    print("|---|---|---|---:|---:|---:|---:|---|---|")
+    for name, conversations in workloads.items():
+        for together, label in ((False, "1 at a time"), (True, f"{len(conversations)} at once")):
+            rows = ["plain"] + methods[name] + ([f"{m} forced" for m in methods[name]] if together else [])
+            rounds: dict[str, list[Run]] = {row: [] for row in rows}
+            for _ in range(args.rounds):
+                for row in rows:
+                    method = row.removesuffix(" forced")
+                    rounds[row].append(run(llm, built[method], conversations, params, together, row.endswith("forced")))
+            plain = statistics.median(r.tokens_per_second for r in rounds["plain"])
+            for row in rows:
+                speed = statistics.median(r.tokens_per_second for r in rounds[row])
+                stats = SpecDecodeStats()
+                for r in rounds[row]:
+                    stats.add(r.spec)
+                acceptance = f"{stats.num_accepted_tokens / stats.num_draft_tokens:.2f}" if stats.num_drafts else "-"
+                length = f"{stats.mean_accepted_length:.2f}" if stats.num_drafts else "-"
+                per_position = ", ".join(f"{c / stats.num_drafts:.2f}" for c in stats.accepted_per_position) or "-"
+                every = ", ".join(f"{r.tokens_per_second:.1f}" for r in rounds[row])
+                print(f"| {name} | {label} | {row} | {speed:.1f} | {speed / plain:.2f} | {acceptance} | {length} "
+                      f"| {per_position} | {every} |")
