@@ -1,5 +1,6 @@
 """Speculative decoding: drafters propose tokens, the target verifies them in one forward pass.
 
-Drafters (prompt lookup, a draft model, Medusa heads) are interchangeable behind one seam; the
-verification rule keeps the target's output distribution exact whatever the drafter proposes.
+Drafters (prompt lookup, a draft model) are interchangeable behind one seam (spec/speculator.py);
+the verification rule (spec/verify.py) keeps the model's output distribution exact whatever
+tokens a drafter proposes.
 """
