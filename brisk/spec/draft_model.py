@@ -77,6 +77,8 @@ class DraftModelDrafter:
                     chunks.append(ScheduledChunk(s, n))
                 else:  # its pool is full: this sequence drafts no further this round
                     self._drop(s.request_id)
+            if not chunks:
+                break
             sampled = self.runner.execute(SchedulerOutput(chunks)).sampled
             active = []
             for chunk in chunks:

@@ -233,6 +233,20 @@ def test_a_stop_inside_an_accepted_run_ends_the_output_there(tiny_dir, plain, gr
     assert_no_leaks(llm.engine)
 
 
+def test_a_draft_model_whose_pool_is_full_drafts_nothing_and_the_output_stays(tiny_dir, greedy_reference):
+    """Two blocks of 4 cannot hold any prompt's shadow: every sequence decodes plainly."""
+    llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
+    engine = llm.engine
+    config = EngineConfig(model=engine.config.model, dtype="float32", block_size=4,
+                          speculative_config={"model": "self-int8"})
+    _speculate(llm, DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, num_kv_blocks=2))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[2:4]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy_reference[tuple(p)] for p in PROMPTS[2:4]]
+    assert outputs[0].metrics.spec_decode is None  # 37 prompt tokens never fit its shadow
+    assert_no_leaks(engine)
+    assert engine.speculator.drafter.kv.num_free_blocks == 2
+
+
 def test_aborts_in_the_middle_of_speculation_leak_nothing(tiny_dir):
     llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
     _speculate(llm, _draft_model(llm, "self-int8"))
