@@ -1,4 +1,4 @@
-"""The `brisk` command: generate, chat, serve, quantize, export-tokenizer, bench, eval.
+"""The `brisk` command: generate, chat, serve, quantize, export-tokenizer, train-medusa, bench, eval.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's, so every command accepts the same options with the same
@@ -122,6 +122,19 @@ def cmd_export_tokenizer(args: argparse.Namespace) -> None:
           f"(load it with transformers.AutoTokenizer.from_pretrained({args.dir!r}))")
 
 
+def cmd_train_medusa(args: argparse.Namespace) -> None:
+    """Medusa heads trained on the model's own answers (brisk/spec/medusa_train.py)."""
+    from brisk.spec.medusa_train import MedusaTrainConfig, train_medusa
+
+    if os.path.exists(args.out) and not (os.path.isdir(args.out) and not os.listdir(args.out)):
+        raise ConfigError(f"--out {args.out!r} exists and is not an empty folder: choose a new one")
+    config = config_from_args(MedusaTrainConfig, args)
+    heads, report = train_medusa(args.model, config, log=lambda line: print(line, file=sys.stderr), progress=True)
+    heads.save(args.out)
+    print(report.summary())
+    print(f"{args.out}: {config.num_heads} Medusa heads for {heads.config.base_model.file_name}")
+
+
 def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineClient:
     """The engine on a thread of this process, or in a process of its own (--engine-process)."""
     if server_config.engine_process:
@@ -168,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", default=None,
                         help="Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)")
     export.set_defaults(func=cmd_export_tokenizer)
+
+    from brisk.spec.medusa_train import MedusaTrainConfig
+
+    medusa = sub.add_parser("train-medusa", help="train Medusa heads (speculative decoding) on the model's own answers")
+    medusa.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)")
+    medusa.add_argument("--out", required=True, help="folder to write (must be new or empty)")
+    add_config_arguments(medusa, MedusaTrainConfig, "training options")
+    medusa.set_defaults(func=cmd_train_medusa)
 
     from brisk.bench.cli import add_bench_parser, add_eval_parser
 
