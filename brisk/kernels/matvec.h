@@ -38,10 +38,14 @@
     }
 
 #define DEFINE_MATVEC(NAME, XT, LOAD_X, STORE_X, WT, LOAD_W)                                              \
-    DEFINE_MATVEC_BLOCK(NAME##_8, XT, LOAD_X, WT, LOAD_W, 8)                                              \
-    DEFINE_MATVEC_BLOCK(NAME##_4, XT, LOAD_X, WT, LOAD_W, 4)                                              \
-    DEFINE_MATVEC_BLOCK(NAME##_2, XT, LOAD_X, WT, LOAD_W, 2)                                              \
-    DEFINE_MATVEC_BLOCK(NAME##_1, XT, LOAD_X, WT, LOAD_W, 1)                                              \
+    DEFINE_MATVEC_BLOCK(NAME##_8, XT, LOAD_X, WT, LOAD_W, 8)                                               \
+    DEFINE_MATVEC_BLOCK(NAME##_7, XT, LOAD_X, WT, LOAD_W, 7)                                               \
+    DEFINE_MATVEC_BLOCK(NAME##_6, XT, LOAD_X, WT, LOAD_W, 6)                                               \
+    DEFINE_MATVEC_BLOCK(NAME##_5, XT, LOAD_X, WT, LOAD_W, 5)                                               \
+    DEFINE_MATVEC_BLOCK(NAME##_4, XT, LOAD_X, WT, LOAD_W, 4)                                               \
+    DEFINE_MATVEC_BLOCK(NAME##_3, XT, LOAD_X, WT, LOAD_W, 3)                                               \
+    DEFINE_MATVEC_BLOCK(NAME##_2, XT, LOAD_X, WT, LOAD_W, 2)                                               \
+    DEFINE_MATVEC_BLOCK(NAME##_1, XT, LOAD_X, WT, LOAD_W, 1)                                               \
     static inline void NAME(const XT *restrict x, const WT *restrict w, const WT *restrict bias,          \
                             XT *restrict y, int64_t m, int64_t n, int64_t k) {                            \
         _Pragma("omp for schedule(static)")                                                               \
@@ -50,12 +54,18 @@
             const float b = bias ? LOAD_W(bias[j]) : 0.0f;                                                \
             float sums[8];                                                                                \
             for (int64_t i0 = 0; i0 < m;) {                                                               \
-                const int64_t left = m - i0, rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;    \
+                const int64_t rows = m - i0 >= 8 ? 8 : m - i0;                                            \
                 const XT *xi = x + i0 * k;                                                                \
-                if (rows == 8) NAME##_8(xi, row, k, sums);                                                \
-                else if (rows == 4) NAME##_4(xi, row, k, sums);                                           \
-                else if (rows == 2) NAME##_2(xi, row, k, sums);                                           \
-                else NAME##_1(xi, row, k, sums);                                                          \
+                switch (rows) {                                                                           \
+                    case 8: NAME##_8(xi, row, k, sums); break;                                            \
+                    case 7: NAME##_7(xi, row, k, sums); break;                                            \
+                    case 6: NAME##_6(xi, row, k, sums); break;                                            \
+                    case 5: NAME##_5(xi, row, k, sums); break;                                            \
+                    case 4: NAME##_4(xi, row, k, sums); break;                                            \
+                    case 3: NAME##_3(xi, row, k, sums); break;                                            \
+                    case 2: NAME##_2(xi, row, k, sums); break;                                            \
+                    default: NAME##_1(xi, row, k, sums);                                                  \
+                }                                                                                         \
                 for (int64_t i = 0; i < rows; i++) y[(i0 + i) * n + j] = STORE_X(sums[i] + b);            \
                 i0 += rows;                                                                               \
             }                                                                                             \

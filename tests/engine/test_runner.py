@@ -57,7 +57,7 @@ def _chunk(runner: ModelRunner, rid: str, prompt: list[int], computed: int, num_
 def _mixed_step(runner: ModelRunner) -> SchedulerOutput:
     d1 = _chunk(runner, "d1", [11, 12, 13, 14, 15], 5, 1, output=[50], prompt_logprobs=1)
     d2 = _chunk(runner, "d2", list(range(20, 28)), 8, 1, output=[51], temperature=0.0, logprobs=2)
-    p1 = _chunk(runner, "p1", list(range(30, 40)), 6, 4, prompt_logprobs=1)
+    p1 = _chunk(runner, "p1", list(range(30, 40)), 5, 5, prompt_logprobs=1)
     p2 = _chunk(runner, "p2", list(range(60, 67)), 0, 5, prompt_logprobs=2)
     assert [runner.kv.block_ids(r) for r in ("d1", "d2", "p1", "p2")] == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
     return SchedulerOutput([p1, d1, p2, d2])
@@ -65,10 +65,10 @@ def _mixed_step(runner: ModelRunner) -> SchedulerOutput:
 
 def test_flat_batch_puts_decodes_first_and_each_token_in_its_slot(runner):
     batch = runner._prepare(_mixed_step(runner))
-    assert batch.input_ids.tolist() == [50, 51, 36, 37, 38, 39, 60, 61, 62, 63, 64]
-    assert batch.positions.tolist() == [5, 8, 6, 7, 8, 9, 0, 1, 2, 3, 4]
-    assert batch.attn.slot_blocks.tolist() == [1, 4, 6, 6, 7, 7, 8, 8, 8, 8, 9]
-    assert batch.attn.slot_offsets.tolist() == [1, 0, 2, 3, 0, 1, 0, 1, 2, 3, 0]
+    assert batch.input_ids.tolist() == [50, 51, 35, 36, 37, 38, 39, 60, 61, 62, 63, 64]
+    assert batch.positions.tolist() == [5, 8, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    assert batch.attn.slot_blocks.tolist() == [1, 4, 6, 6, 6, 7, 7, 8, 8, 8, 8, 9]
+    assert batch.attn.slot_offsets.tolist() == [1, 0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 0]
 
 
 def test_decodes_get_padded_block_tables_and_their_context_lengths(runner):
@@ -80,13 +80,13 @@ def test_decodes_get_padded_block_tables_and_their_context_lengths(runner):
 
 def test_prefill_spans_cover_their_rows_and_the_context_before_them(runner):
     spans = runner._prepare(_mixed_step(runner)).attn.prefills
-    assert [(s.start, s.end, s.context_len, s.first_position) for s in spans] == [(2, 6, 10, 6), (6, 11, 5, 0)]
+    assert [(s.start, s.end, s.context_len, s.first_position) for s in spans] == [(2, 7, 10, 5), (7, 12, 5, 0)]
     assert [s.block_table.tolist() for s in spans] == [[5, 6, 7], [8, 9]]
 
 
 def test_only_rows_that_complete_their_sequence_are_sampled(runner):
     batch = runner._prepare(_mixed_step(runner))
-    assert batch.sample_rows.tolist() == [0, 1, 5]  # d1, d2 and the last token of p1
+    assert batch.sample_rows.tolist() == [0, 1, 6]  # d1, d2 and the last token of p1
     assert [c.request.request_id for c in batch.sample_chunks] == ["d1", "d2", "p1"]
 
 
@@ -94,14 +94,21 @@ def test_prompt_logprob_rows_are_the_chunk_positions_followed_by_a_prompt_token(
     rows = runner._prepare(_mixed_step(runner)).prompt_logprob_rows
     # p1's last position predicts the first output token, not a prompt token; d1 is past its prompt.
     assert [(r.request.request_id, r.rows, r.targets) for r in rows] == [
-        ("p1", slice(2, 5), [37, 38, 39]),
-        ("p2", slice(6, 11), [61, 62, 63, 64, 65]),
+        ("p1", slice(2, 6), [36, 37, 38, 39]),
+        ("p2", slice(7, 12), [61, 62, 63, 64, 65]),
     ]
 
 
 def test_a_step_without_decodes_has_no_decode_tables(runner):
-    batch = runner._prepare(SchedulerOutput([_chunk(runner, "p", [5, 6, 7], 0, 3)]))
+    batch = runner._prepare(SchedulerOutput([_chunk(runner, "p", [5, 6, 7, 8, 9], 0, 5)]))
     assert batch.attn.num_decodes == 0 and batch.attn.decode_block_tables is None
+    assert batch.sample_rows.tolist() == [4]
+
+
+def test_a_short_chunk_runs_as_decode_rows_each_up_to_its_position(runner):
+    batch = runner._prepare(SchedulerOutput([_chunk(runner, "c", [5, 6, 7, 8, 9], 2, 3)]))
+    assert batch.attn.num_decodes == 3 and not batch.attn.prefills
+    assert batch.attn.decode_context_lens.tolist() == [3, 4, 5]
     assert batch.sample_rows.tolist() == [2]
 
 
@@ -112,9 +119,9 @@ def test_execute_samples_and_reports_logprobs_only_where_asked(runner):
     assert all(len(tokens) == 1 for tokens in out.sampled.values())
     [d2_token], [d2_logprobs] = out.sampled["d2"], out.logprobs["d2"]
     assert list(d2_logprobs)[0] == d2_token and d2_logprobs[d2_token].rank == 1  # greedy
-    # p1 computes positions 6-9 (its prompt ends at 9), so predicts 7-9; p2 computes 0-4, so predicts 1-5
+    # p1 computes positions 5-9 (its prompt ends at 9), so predicts 6-9; p2 computes 0-4, so predicts 1-5
     assert {rid: (first, len(entries)) for rid, (first, entries) in out.prompt_logprobs.items()} == \
-        {"p1": (7, 3), "p2": (1, 5)}
+        {"p1": (6, 4), "p2": (1, 5)}
 
 
 def test_prompt_logprobs_of_a_fresh_chunk_do_not_depend_on_the_rest_of_the_batch(runner, tiny_model):

@@ -148,7 +148,7 @@ def test_fused_norms_and_activation_match_torch(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, cpu_kernels.SMALL_BATCH_ROWS])
+@pytest.mark.parametrize("rows", range(1, cpu_kernels.SMALL_BATCH_ROWS + 1))  # every remainder block size
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_rows_matches_torch(dtype, rows, with_bias):
     g = torch.Generator().manual_seed(rows)
@@ -160,8 +160,10 @@ def test_linear_rows_matches_torch(dtype, rows, with_bias):
     exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     reference = exact.float()
     assert ours.dtype == dtype and ours.shape == (rows, 203)
-    if dtype == torch.float32:  # float32 sums in vector lanes: within a few ulps of the exact product
-        assert (ours.double() - exact).abs().max().item() < 4e-6
+    if dtype == torch.float32:  # float32 sums in vector lanes: error small against the sum of |terms|
+        mass = torch.nn.functional.linear(x.double().abs(), weight.double().abs(),
+                                          None if bias is None else bias.double().abs())
+        assert ((ours.double() - exact).abs() <= 1e-6 * mass).all()
     else:  # one bf16 rounding of the result: within half a unit in the last place (2^-8 relative)
         assert torch.allclose(ours.float(), reference, rtol=2**-8, atol=1e-6)
 
