@@ -37,7 +37,8 @@ def knobs(config_cls: type) -> list[dataclasses.Field]:
     return list(dataclasses.fields(config_cls))
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
+MEDUSA_CONFIG_FILE = "medusa_config.json"  # what marks a folder of Medusa heads (spec/medusa.py)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class SpeculativeConfig:
 
     draft_model (the method when `model` is given): a smaller model with the same tokenizer, a
     path, or "self-int8" / "self-int4": the model's own weights in 8 or 4 bits (for a float model).
+
+    medusa (the method when `model` is a folder of `brisk train-medusa` heads): the heads' top
+    candidates as a tree of num_speculative_tokens tokens, verified in one pass.
     """
 
     method: str | None = None  # default: draft_model if `model` is given, else ngram
@@ -65,15 +69,17 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method is None:
-            self.method = "draft_model" if self.model is not None else "ngram"
+            medusa = self.model is not None and os.path.exists(os.path.join(self.model, MEDUSA_CONFIG_FILE))
+            self.method = "medusa" if medusa else "draft_model" if self.model is not None else "ngram"
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"speculative_config.num_speculative_tokens must be in 1..16, "
                               f"got {self.num_speculative_tokens}")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ConfigError("speculative_config.model names the draft model, and only method draft_model takes one")
+        if (self.method in ("draft_model", "medusa")) != (self.model is not None):
+            raise ConfigError("speculative_config.model names the draft model or Medusa heads, and only methods "
+                              "draft_model and medusa take one")
         if self.model is not None and self.model not in ("self-int8", "self-int4") and not os.path.exists(self.model):
             raise ConfigError(f"speculative_config.model: no such path {self.model!r} (or use self-int8 / self-int4)")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:

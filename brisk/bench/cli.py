@@ -63,10 +63,13 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(so)
     so.set_defaults(func=_main_of("brisk.bench.structured"), dtype="float32", kv_cache_memory_gib=2.0)
 
-    sp = kinds.add_parser("spec", help="speculative decoding (ngram, self-drafts) vs plain decoding")
+    sp = kinds.add_parser("spec", help="speculative decoding (ngram, self-drafts, Medusa) vs plain decoding")
     sp.add_argument("--methods", nargs="+", default=["ngram", "self-int8", "self-int4"],
                     choices=["ngram", "self-int8", "self-int4"])
     sp.add_argument("--num-speculative-tokens", type=int, default=4)
+    sp.add_argument("--medusa", default=None, metavar="DIR",
+                    help="Medusa heads (`brisk train-medusa`) to run on the chat prompts too")
+    sp.add_argument("--medusa-tree-size", type=int, default=3, help="candidates in Medusa's tree")
     sp.add_argument("--num-prompts", type=int, default=8, help="prompts per workload (the batch of the 'at once' run)")
     sp.add_argument("--output-len", type=int, default=128)
     sp.add_argument("--temperature", type=float, default=0.0)

@@ -2,7 +2,7 @@
 
 Each drafting method runs on the workload it is meant for, beside plain decoding of the same
 prompts: prompt lookup (ngram) on requests whose answers copy their prompt (rewrites,
-extraction, code edits), draft models on chat prompts. Single stream (the prompts one after
+extraction, code edits), draft models and Medusa heads on chat prompts. Single stream (the prompts one after
 another) and 8 at once (as a batch). The speculators are built once and swapped in and out of
 the same engine, so every mode runs on the same target weights and kernels.
 
@@ -33,15 +33,19 @@ class Run:
     spec: SpecDecodeStats
 
 
-def speculators(llm: LLM, k: int, methods: list[str]) -> dict[str, Speculator | None]:
+def speculators(llm: LLM, k: int, methods: list[str], medusa: str | None = None,
+                medusa_tree_size: int = 3) -> dict[str, Speculator | None]:
     engine = llm.engine
     specs = {"ngram": SpeculativeConfig(num_speculative_tokens=k),
              "self-int8": SpeculativeConfig(model="self-int8", num_speculative_tokens=k),
              "self-int4": SpeculativeConfig(model="self-int4", num_speculative_tokens=k)}
+    if medusa is not None:
+        specs["medusa"] = SpeculativeConfig(method="medusa", model=medusa, num_speculative_tokens=medusa_tree_size)
     built: dict[str, Speculator | None] = {"plain": None}
     for method in methods:
         config = replace(engine.config, speculative_config=specs[method])
-        built[method] = Speculator.build(config, engine.checkpoint, engine.max_model_len, engine.kv.num_blocks)
+        built[method] = Speculator.build(config, engine.checkpoint, engine.runner, engine.max_model_len,
+                                         engine.kv.num_blocks)
     return built
 
 
@@ -65,13 +69,22 @@ def run(llm: LLM, speculator: Speculator | None, conversations: list, params: Sa
 
 def main(args) -> None:
     llm = LLM.from_config(engine_config_from_args(args))
-    methods = {"copy": [m for m in args.methods if m == "ngram"] or args.methods, "chat": args.methods}
-    built = speculators(llm, args.num_speculative_tokens, args.methods)
+    chat = args.methods + (["medusa"] if args.medusa else [])
+    methods = {"copy": [m for m in args.methods if m == "ngram"] or args.methods, "chat": chat}
+    built = speculators(llm, args.num_speculative_tokens, chat, args.medusa, args.medusa_tree_size)
     params = SamplingParams(temperature=args.temperature, top_p=0.95 if args.temperature else 1.0, seed=1,
                             max_tokens=args.output_len)
     print(f"model: {llm.engine.checkpoint.path} ({args.dtype}), threads: {torch.get_num_threads()}, "
           f"k = {args.num_speculative_tokens}, temperature {args.temperature}, {args.output_len} tokens per request")
     workloads = {"copy": copy_prompts(args.num_prompts), "chat": chat_prompts(args.num_prompts)}
+    if args.medusa:
+        drafter = built["medusa"].drafter
+        accuracy = drafter.heads.config.accuracy
+        print(f"Medusa: {drafter.heads.num_heads} heads from {args.medusa}; held-out accuracy per head "
+              f"(top-1 / top-5): " + ("; ".join(f"{row[0]:.3f} / {row[min(4, len(row) - 1)]:.3f}" for row in accuracy.top_k)
+                                      if accuracy else "not measured"))
+        print("Medusa tree (parent, head, candidate rank): "
+              + ", ".join(f"({n.parent}, {n.head}, {n.rank})" for n in drafter.tree))
     llm.chat(chat_prompts(2), replace(params, max_tokens=4), use_tqdm=False)  # warm-up: kernels built
     print("\n| workload | requests | method | output tok/s (median) | vs plain | acceptance | mean accepted length "
           "| accepted by position | every round |")

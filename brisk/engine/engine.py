@@ -46,7 +46,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context)
         self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
-        self.speculator = (Speculator.build(config, self.checkpoint, self.max_model_len, num_blocks)
+        self.speculator = (Speculator.build(config, self.checkpoint, self.runner, self.max_model_len, num_blocks)
                            if config.speculative_config is not None else None)
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -171,7 +171,7 @@ class LLMEngine:
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
         if self.speculator is not None:  # drafts for the next step, now that this one's tokens are known
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, result)
         iteration.finished = [_finished_stats(o) for o in outputs if o.finished]
         self._log(iteration)
         return outputs

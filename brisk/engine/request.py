@@ -74,6 +74,7 @@ class Request:
     grammar: Grammar | None = None  # structured outputs: where this sequence is in its grammar
     # Speculative decoding: tokens a drafter proposed to follow token_ids, verified by the next step.
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_parents: list[int] | None = None  # a tree of drafts (spec/verify.py's Draft); None: a chain
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     times: RequestTimes = field(init=False)
 

@@ -14,6 +14,15 @@ rows of the one sequence, row i attending to the context up to its own position:
 
 so the verify pass computes what plain decoding would, row for row (and small batches run in
 the same fused decode kernel). brisk/spec/verify.py turns the samples into the accepted tokens.
+
+A tree of drafts (alternatives for the same positions) takes the same rows, in slots c..c+k
+after the context, but each row at the position of its depth and seeing only its ancestors
+(AttentionMetadata.decode_ancestor_masks). Once the samples pick a branch, its K/V is copied
+into the slots right after the context, where plain decoding would have put it:
+
+    drafts:   a   b   c   d         parents: last, a, last, c       (two branches: a-b, c-d)
+    slots:    c+1 c+2 c+3 c+4       positions: c+1 c+2 c+1 c+2
+    accepted c, d: K/V of slots c+3, c+4 -> c+1, c+2
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
-from brisk.spec.verify import accepted_length
+from brisk.spec.verify import accepted_path, tree_depths
 
 
 @dataclass
@@ -40,6 +49,9 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one entry per gained token
     # request id -> (the prompt position the first entry predicts, the entries of this step's chunk)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> the final hidden state its last gained token was sampled from (kept only when
+    # ModelRunner.keep_hidden_states is set: Medusa heads draft from it)
+    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +83,7 @@ class ModelRunner:
         # One per layer, in the storage kind of quant/kv_cache.py; see model/attention.py for the layout.
         self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks, spec.num_kv_heads, kv.block_size,
                                                 spec.head_dim, device) for _ in range(spec.num_layers)]
+        self.keep_hidden_states = False
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -93,38 +106,64 @@ class ModelRunner:
         entries = None
         if sampled.logprobs is not None:
             entries = token_logprobs(sampled.logprobs, tokens, [r.params.logprobs for r in rows])
-        first = 0
+        first, moves = 0, []
         for chunk in chunks:
-            drafts = chunk.draft_token_ids
+            rid, drafts = chunk.request.request_id, chunk.draft_token_ids
             samples = tokens[first:first + len(drafts) + 1]
-            gained = samples[:accepted_length(drafts, samples) + 1]
-            out.sampled[chunk.request.request_id] = gained
+            path = accepted_path(drafts, chunk.draft_parents, samples)
+            used = [0] + [i + 1 for i in path]  # the rows whose samples are kept: root, then accepted drafts
+            out.sampled[rid] = [drafts[i] for i in path] + [samples[used[-1]]]
             if entries is not None and entries[first] is not None:
-                out.logprobs[chunk.request.request_id] = entries[first:first + len(gained)]
+                out.logprobs[rid] = [entries[first + row] for row in used]
+            if self.keep_hidden_states:
+                out.hidden_states[rid] = hidden[first + used[-1]]
+            last = chunk.request.num_computed_tokens  # the slot of the sequence's last token
+            moves.extend((rid, last + row, last + depth) for depth, row in enumerate(used) if row != depth)
             first += len(drafts) + 1
+        if moves:
+            self._copy_slots(moves)
+
+    def _copy_slots(self, moves: list[tuple[str, int, int]]) -> None:
+        """Moves K/V between slots of the same sequences: (request id, from, to) each."""
+        tables = {rid: self.kv.block_ids(rid) for rid, _, _ in moves}
+
+        def locate(column: int) -> torch.Tensor:  # [2, moves]: block ids, offsets
+            return torch.tensor([[tables[m[0]][m[column] // self.block_size], m[column] % self.block_size]
+                                 for m in moves], dtype=torch.long, device=self.device).t()
+
+        src, dst = locate(1), locate(2)
+        for cache in self.kv_caches:
+            cache.copy_slots(src[0], src[1], dst[0], dst[1])
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         decodes = [c for c in sched.chunks if _as_decode_rows(c)]
         prefills = [c for c in sched.chunks if not _as_decode_rows(c)]
-        ids, positions, blocks = [], [], []
+        ids, positions, blocks, offsets = [], [], [], []
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in sched.chunks}
         for chunk in decodes + prefills:
             r, start = chunk.request, chunk.request.num_computed_tokens
             table = tables[r.request_id]
-            span = range(start, start + chunk.num_new_tokens)
-            ids.extend(r.token_ids[start:start + chunk.num_new_tokens - len(chunk.draft_token_ids)])
+            num_known = chunk.num_new_tokens - len(chunk.draft_token_ids)
+            ids.extend(r.token_ids[start:start + num_known])
             ids.extend(chunk.draft_token_ids)
-            positions.extend(span)
-            blocks.extend(table[p // self.block_size] for p in span)
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        num_decode_rows = sum(c.num_new_tokens for c in decodes)
+            slots = range(start, start + chunk.num_new_tokens)
+            blocks.extend(table[s // self.block_size] for s in slots)
+            offsets.extend(s % self.block_size for s in slots)
+            if chunk.draft_parents is None:
+                positions.extend(slots)
+            else:  # a tree: each draft at the position of its depth
+                last = start + num_known - 1
+                positions.extend([*range(start, last + 1), *(last + d for d in tree_depths(chunk.draft_parents))])
         attn = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
-            slot_offsets=(positions_t % self.block_size).to(self.device),
-            num_decodes=num_decode_rows,
+            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=self.device),
+            num_decodes=sum(c.num_new_tokens for c in decodes),
         )
         if decodes:
             attn.decode_block_tables, attn.decode_context_lens = self._decode_tables(decodes, tables)
+            if any(c.draft_parents is not None for c in decodes):
+                attn.decode_ancestor_masks = torch.tensor([m for c in decodes for m in _ancestor_masks(c)],
+                                                          dtype=torch.long, device=self.device)
         sample_rows, sample_chunks, prompt_rows = [], [], []
         row = 0
         for chunk in decodes + prefills:
@@ -140,7 +179,7 @@ class ModelRunner:
             row += n
         return _Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=positions_t.to(self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attn=attn,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sample_chunks=sample_chunks,
@@ -191,10 +230,38 @@ def _as_decode_rows(chunk: ScheduledChunk) -> bool:
 
 def _sampling_rows(chunk: ScheduledChunk) -> list[SamplingRow]:
     """The rows a chunk samples: the next token, then, for each draft, the token after it as if
-    the drafts before it had been accepted (penalties, min_tokens and the random stream see
-    them as output)."""
+    it and its ancestors had been accepted (penalties, min_tokens and the random stream see them
+    as output)."""
     r, drafts = chunk.request, chunk.draft_token_ids
     assert r.grammar is None or not drafts, "drafts of a constrained sequence would be sampled unconstrained"
     first = SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.eos_token_ids, r.sampling_seed, r.grammar)
-    return [first] + [SamplingRow(r.params, r.token_ids + drafts[:i + 1], r.num_prompt_tokens, r.eos_token_ids,
+    return [first] + [SamplingRow(r.params, r.token_ids + _branch(chunk, i), r.num_prompt_tokens, r.eos_token_ids,
                                   r.sampling_seed) for i in range(len(drafts))]
+
+
+def _branch(chunk: ScheduledChunk, i: int) -> list[int]:
+    """Draft i and its ancestors among the drafts, root first."""
+    drafts, parents = chunk.draft_token_ids, chunk.draft_parents
+    if parents is None:
+        return drafts[:i + 1]
+    branch = []
+    while i >= 0:
+        branch.append(drafts[i])
+        i = parents[i]
+    return branch[::-1]
+
+
+def _ancestor_masks(chunk: ScheduledChunk) -> list[int]:
+    """Per row of a decode chunk, the keys it sees among the 63 before its own (attention.h):
+    every one (-1), but for a tree's drafts, which skip the drafts of other branches."""
+    masks = [-1] * (chunk.num_new_tokens - len(chunk.draft_token_ids))
+    parents = chunk.draft_parents
+    for i in range(len(chunk.draft_token_ids)):
+        hidden = set(range(i)) if parents is not None else set()
+        node = parents[i] if parents is not None else -1
+        while node >= 0:
+            hidden.discard(node)
+            node = parents[node]
+        bits = (1 << 64) - 1 - sum(1 << (i - j) for j in hidden)  # draft j is i - j slots back
+        masks.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+    return masks

@@ -78,6 +78,7 @@ class ScheduledChunk:
     request: Request
     num_new_tokens: int  # the drafts included
     draft_token_ids: list[int] = field(default_factory=list)  # verified in this step, after the last token
+    draft_parents: list[int] | None = None  # the drafts' tree (spec/verify.py's Draft); None: a chain
 
     @property
     def completes_sequence(self) -> bool:
@@ -158,11 +159,11 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # preempted a moment ago, or a prefill
-            drafts = request.draft_token_ids
+            drafts, parents = request.draft_token_ids, request.draft_parents
             if drafts and not self.kv.allocate(request, 1 + len(drafts)):
-                drafts = []
+                drafts, parents = [], None
             if drafts or self._allocate_running(request, 1, out):
-                out.chunks.append(ScheduledChunk(request, 1 + len(drafts), drafts))
+                out.chunks.append(ScheduledChunk(request, 1 + len(drafts), drafts, parents))
                 cost += self.cost(1 + len(drafts), request.num_computed_tokens)
         return cost
 
@@ -287,9 +288,9 @@ class Scheduler:
     def _append(self, request: Request, chunk: ScheduledChunk, tokens: list[int]) -> int:
         """Appends the step's tokens (up to one that finishes the request); returns how many.
 
-        The chunk computed K/V for the known tokens and every draft; a draft's is valid if the
-        draft was accepted (tokens[i] == drafts[i] for it and all before it), and the blocks
-        beyond the valid ones go back to the pool.
+        The chunk computed K/V for the known tokens and every draft; the runner has moved the
+        accepted drafts' K/V right after the known tokens (tree branches leave gaps), and the
+        blocks beyond them go back to the pool.
         """
         drafts = chunk.draft_token_ids
         num_accepted = len(tokens) - 1
@@ -300,7 +301,7 @@ class Scheduler:
             if request.is_finished:
                 break
         request.num_computed_tokens += chunk.num_new_tokens - len(drafts) + min(num_accepted, appended)
-        request.draft_token_ids = []
+        request.draft_token_ids, request.draft_parents = [], None
         if drafts:
             request.spec_stats.observe(len(drafts), num_accepted)
             self.kv.trim(request, request.num_computed_tokens)

@@ -13,9 +13,14 @@
  * With keys transposed, a query is scored against a whole block as 16 lanes of FMAs per
  * dimension, with no horizontal sums; values are accumulated along dim. Both vectorize.
  *                       block_tables [seqs, max_blocks], context_lens [seqs]
+ *                       ancestor_masks [seqs] or NULL (a speculative tree's rows, see below)
  * Queries and outputs are XT, the cache one of dtypes.h's kinds, CT (computed in float32). A
  * scaled kind (SCALED = 1: int8) has k_scales and v_scales [blocks, kv_heads, block_size], one per
- * token and head: a key's scale multiplies its score, a value's its softmax weight. Both bodies here are orphaned `omp for` loops (see matvec.h): paged_attention.c wraps
+ * token and head: a key's scale multiplies its score, a value's its softmax weight.
+ * A row of a speculative candidate tree sees its context and its ancestors, not its siblings'
+ * branches, which sit in the slots between: bit j of ancestor_masks[s] says whether row s sees
+ * the key j positions before its own (bit 0, itself, always set; keys further back than 63 are
+ * always seen). -1 (every bit) is a plain row. Both bodies here are orphaned `omp for` loops (see matvec.h): paged_attention.c wraps
  * each in its own parallel region, decode_layers.c runs them inside the step's one region.
  * BLOCK_SIZE and HEAD_DIM are compile-time constants: the files that include this are built per
  * model shape.
@@ -53,7 +58,8 @@ DEFINE_TO_FLOATS(int8_t, load_i8)
                                                  const float *restrict k_scales,                          \
                                                  const float *restrict v_scales,                          \
                                                  const int64_t *restrict block_tables,                    \
-                                                 const int64_t *restrict context_lens, XT *restrict out,  \
+                                                 const int64_t *restrict context_lens,                    \
+                                                 const int64_t *restrict ancestor_masks, XT *restrict out,\
                                                  int64_t num_seqs, int64_t num_heads,                     \
                                                  int64_t num_kv_heads, int64_t max_blocks,                \
                                                  float scale) {                                           \
@@ -94,8 +100,12 @@ DEFINE_TO_FLOATS(int8_t, load_i8)
                             row[t] = SCALED ? (even[t] + odd[t]) * ks[t] : even[t] + odd[t];              \
                     }                                                                                     \
                 }                                                                                         \
+                const uint64_t ancestors = ancestor_masks ? (uint64_t)ancestor_masks[s] : ~(uint64_t)0;  \
                 for (int64_t g = 0; g < group; g++) {                                                     \
                     float *p = scores + g * padded, top = -FLT_MAX, sum = 0.0f;                           \
+                    if (~ancestors) /* a tree row: hide the keys of other branches */                     \
+                        for (int64_t j = 1; j < 64 && j < len; j++)                                       \
+                            if (!((ancestors >> j) & 1)) p[len - 1 - j] = -FLT_MAX;                       \
                     for (int64_t t = 0; t < len; t++) top = p[t] > top ? p[t] : top;                      \
                     _Pragma("omp simd reduction(+:sum)")                                                  \
                     for (int64_t t = 0; t < padded; t++) {                                                \

@@ -37,7 +37,7 @@ _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, then cache kind) pick the variant
-    "paged_decode_attention": [_PTR] * 8 + [_I64] * 4 + [ctypes.c_float],
+    "paged_decode_attention": [_PTR] * 9 + [_I64] * 4 + [ctypes.c_float],
     "paged_prefill_attention": [_PTR] * 7 + [_I64] * 4 + [ctypes.c_float],
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
     "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
@@ -174,12 +174,13 @@ def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float, out: torch.Tensor) -> None:
-    """q [n, H_q, D] (contiguous), one query per sequence, over its blocks in the cache -> out [n, H_q, D]."""
+                     scale: float, out: torch.Tensor, ancestor_masks: torch.Tensor | None = None) -> None:
+    """q [n, H_q, D] (contiguous), one query per sequence, over its blocks in the cache -> out [n, H_q, D].
+    ancestor_masks [n] int64 or None: which of the 63 keys before each row's own it sees (attention.h)."""
     n, num_heads, _ = q.shape
     _cache_kernel(_shaped_library("paged_attention.c", cache), "paged_decode_attention", q.dtype, cache)(
         q.data_ptr(), *_cache_pointers(cache), block_tables.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), n, num_heads, cache.v.shape[1], block_tables.shape[1], scale)
+        _ptr(ancestor_masks), out.data_ptr(), n, num_heads, cache.v.shape[1], block_tables.shape[1], scale)
 
 
 def prefill_attention(q: torch.Tensor, cache: KVCacheLayer, block_table: torch.Tensor, start: int, scale: float,
@@ -307,7 +308,7 @@ class _Model(ctypes.Structure):  # struct decode_model
 
 class _Batch(ctypes.Structure):  # struct decode_batch
     _fields_ = [("num_seqs", _I64), ("max_blocks", _I64), ("positions", _PTR), ("slot_blocks", _PTR),
-                ("slot_offsets", _PTR), ("block_tables", _PTR), ("context_lens", _PTR)]
+                ("slot_offsets", _PTR), ("block_tables", _PTR), ("context_lens", _PTR), ("ancestor_masks", _PTR)]
 
 
 # enum weight_format, quant.h
@@ -430,15 +431,16 @@ class DecodeLayers:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
                  slot_offsets: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 kv_caches: list[KVCacheLayer], timings: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 kv_caches: list[KVCacheLayer], ancestor_masks: torch.Tensor | None = None,
+                 timings: torch.Tensor | None = None) -> torch.Tensor:
         """x [seqs, hidden] float32 embeddings of this step's tokens (one per sequence) -> the final
-        norm's output, in place. timings: an int64 [3] tensor to add (matmul, attention, other)
-        nanoseconds to, or None."""
+        norm's output, in place. ancestor_masks: as decode_attention's. timings: an int64 [3]
+        tensor to add (matmul, attention, other) nanoseconds to, or None."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         batch = _Batch(x.shape[0], block_tables.shape[1], positions.data_ptr(), slot_blocks.data_ptr(),
-                       slot_offsets.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr())
+                       slot_offsets.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+                       _ptr(ancestor_masks))
         self._kernel(ctypes.byref(self._model), ctypes.byref(batch), x.data_ptr(), _ptr(timings))
         return x
 

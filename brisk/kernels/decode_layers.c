@@ -61,6 +61,7 @@ struct decode_batch {
     const int64_t *positions, *slot_blocks, *slot_offsets; /* [num_seqs] */
     const int64_t *block_tables;                           /* [num_seqs, max_blocks] */
     const int64_t *context_lens;                           /* [num_seqs], this step's token included */
+    const int64_t *ancestor_masks;                         /* [num_seqs] or NULL, see attention.h */
 };
 
 static inline int64_t now_ns(void) {
@@ -124,7 +125,8 @@ static inline int64_t now_ns(void) {
                 LAP(PHASE_OTHER);                                                                         \
                 decode_attention_##WS##_##CS(q, layer->k_cache, layer->v_cache, layer->k_scales,   \
                                           layer->v_scales, batch->block_tables,                           \
-                                          batch->context_lens, attended, m, model->num_heads,             \
+                                          batch->context_lens, batch->ancestor_masks, attended, m,        \
+                                          model->num_heads,                                               \
                                           model->num_kv_heads, batch->max_blocks, model->scale);          \
                 LAP(PHASE_ATTENTION);                                                                     \
                 project_##WS(&layer->o, attended, x, m);                                              \

@@ -117,11 +117,13 @@
     void paged_decode_attention_##XS##_##CS(const XT *q, const CT *k_cache, const CT *v_cache,            \
                                             const float *k_scales, const float *v_scales,                 \
                                             const int64_t *block_tables, const int64_t *context_lens,     \
-                                            XT *out, int64_t num_seqs, int64_t num_heads,                 \
+                                            const int64_t *ancestor_masks, XT *out, int64_t num_seqs,     \
+                                            int64_t num_heads,                                            \
                                             int64_t num_kv_heads, int64_t max_blocks, float scale) {      \
         _Pragma("omp parallel")                                                                           \
         decode_attention_##XS##_##CS(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, \
-                                     out, num_seqs, num_heads, num_kv_heads, max_blocks, scale);          \
+                                     ancestor_masks, out, num_seqs, num_heads, num_kv_heads, max_blocks,  \
+                                     scale);                                                              \
     }                                                                                                     \
     void rope_write_kv_##XS##_##CS(const XT *qkv, const int64_t *positions, const float *cos_table,       \
                                    const float *sin_table, XT *q_out, CT *k_cache, CT *v_cache,           \

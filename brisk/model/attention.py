@@ -65,16 +65,25 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64: tokens each query attends to
+    # [num_decodes] int64 or None: rows of a speculative candidate tree see only their ancestors
+    # among the 63 keys before their own (bit j: the key j back; -1 for a plain row). See below.
+    decode_ancestor_masks: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     _decode_padding: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def decode_padding(self, block_size: int) -> torch.Tensor:
-        """[num_decodes, max_blocks * block_size] True past each sequence's context.
-        Built on first use and shared by every layer of the step (torch path only)."""
+        """[num_decodes, max_blocks * block_size] True where a decode row does not look: past its
+        context, and a tree row's non-ancestors. Built on first use and shared by every layer of
+        the step (torch path only)."""
         if self._decode_padding is None:
             keys = torch.arange(self.decode_block_tables.shape[1] * block_size,
                                 device=self.decode_context_lens.device)
-            self._decode_padding = keys.unsqueeze(0) >= self.decode_context_lens.unsqueeze(1)
+            back = self.decode_context_lens.unsqueeze(1) - 1 - keys.unsqueeze(0)  # how far before the row's own
+            hidden = back < 0
+            if self.decode_ancestor_masks is not None:
+                bits = torch.bitwise_right_shift(self.decode_ancestor_masks.unsqueeze(1), back.clamp(0, 63)) & 1
+                hidden |= (back < 64) & (bits == 0)
+            self._decode_padding = hidden
         return self._decode_padding
 
 
@@ -96,7 +105,8 @@ def paged_attention(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadat
 def _decode_attention(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
                       out: torch.Tensor) -> None:
     if cpu_kernels.available(q, cache):
-        cpu_kernels.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out)
+        cpu_kernels.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out,
+                                     meta.decode_ancestor_masks)
     else:
         out.copy_(_decode_attention_torch(q, cache, meta, scale))
 

@@ -149,7 +149,8 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self._fused_decode_serves(meta, kv_caches):
             hidden = self._fused_decode()(x.float(), positions, meta.slot_blocks, meta.slot_offsets,
-                                          meta.decode_block_tables, meta.decode_context_lens, kv_caches)
+                                          meta.decode_block_tables, meta.decode_context_lens, kv_caches,
+                                          meta.decode_ancestor_masks)
             return hidden.to(x.dtype)
         rope = self.rotary.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):

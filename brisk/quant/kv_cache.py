@@ -80,6 +80,16 @@ class KVCacheLayer:
         self.k[blocks, :, :, offsets] = k.to(self.k.dtype)
         self.v[blocks, :, offsets] = v.to(self.v.dtype)
 
+    def copy_slots(self, src_blocks: torch.Tensor, src_offsets: torch.Tensor, dst_blocks: torch.Tensor,
+                   dst_offsets: torch.Tensor) -> None:
+        """Copies the K/V stored in slots src to slots dst, as stored (codes and scales alike):
+        how the accepted branch of a draft tree moves next to the tokens before it."""
+        self.k[dst_blocks, :, :, dst_offsets] = self.k[src_blocks, :, :, src_offsets]
+        self.v[dst_blocks, :, dst_offsets] = self.v[src_blocks, :, src_offsets]
+        if self.scaled:
+            self.k_scales[dst_blocks, :, dst_offsets] = self.k_scales[src_blocks, :, src_offsets]
+            self.v_scales[dst_blocks, :, dst_offsets] = self.v_scales[src_blocks, :, src_offsets]
+
     def keys(self, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The key blocks `blocks` (any index shape S) as [*S, H_kv, D, B] values in dtype."""
         keys = self.k[blocks].to(dtype)

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from brisk.config import ConfigError, EngineConfig
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
-from brisk.engine.runner import ModelRunner
+from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.loader import Checkpoint, load_model, open_checkpoint
 from brisk.sampling_params import SamplingParams
+from brisk.spec.verify import Draft
 
 SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}  # model name -> quantization of the target's weights
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
@@ -64,7 +65,7 @@ class DraftModelDrafter:
         kv = KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=False)
         return cls(ModelRunner(model, kv, config.kv_cache_kind, config.torch_device), kv)
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         wanted = {r.request_id: k for r, k in zip(requests, num_tokens)}
         active = [self._sync(r) for r, k in zip(requests, num_tokens) if k]
@@ -89,7 +90,7 @@ class DraftModelDrafter:
                 drafts[s.request_id].append(token)
                 if len(drafts[s.request_id]) < wanted[s.request_id]:
                     active.append(self._shadows[s.request_id])
-        return [drafts[r.request_id] for r in requests]
+        return [Draft(drafts[r.request_id]) for r in requests]
 
     def forget(self, live: set[str]) -> None:
         for request_id in [i for i in self._shadows if i not in live]:

@@ -31,10 +31,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from brisk.config import MEDUSA_CONFIG_FILE
 from brisk.model.linear import linear
 from brisk.model.llama import LlamaForCausalLM
 
-CONFIG_FILE = "medusa_config.json"
+CONFIG_FILE = MEDUSA_CONFIG_FILE
 WEIGHTS_FILE = "medusa_heads.safetensors"
 _FINGERPRINT_ROWS = 8  # embedding rows summed into the fingerprint, spread over the vocabulary
 # Relative difference the fingerprint's sums may show and still name the same model: loading in

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from brisk.engine.request import Request
+from brisk.engine.runner import RunnerOutput
+from brisk.spec.verify import Draft
 
 
 @dataclass
@@ -28,8 +30,8 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[str, _NgramIndex] = {}
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
-        return [self._propose(r, k) if k else [] for r, k in zip(requests, num_tokens)]
+    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
+        return [Draft(self._propose(r, k) if k else []) for r, k in zip(requests, num_tokens)]
 
     def forget(self, live: set[str]) -> None:
         """Drops the indexes of sequences that are no longer running."""

@@ -13,19 +13,58 @@ one-point draft distribution q: a draft x is accepted with probability p(x) = mi
 and a rejection's token is distributed as p without x, renormalized, which is max(0, p - q)
 normalized. So the output distribution is the model's, and more: a seeded request produces the
 very tokens plain decoding produces, draft or no draft, because each position's token is the
-same draw from the same distribution.
+same draw from the same distribution. A tree of alternatives keeps that: the one draw at a
+node picks at most one child, so no recursive rejection over siblings (SpecInfer's, needed
+for sampled drafts) is called for.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def accepted_length(drafts: list[int], samples: list[int]) -> int:
-    """How many leading drafts equal the model's samples at their positions.
 
-    samples[i] is the model's token at the position drafts[i] was proposed for, so the tokens
-    gained are samples[:accepted_length + 1].
+@dataclass(frozen=True)
+class Draft:
+    """Tokens a drafter proposes to follow a sequence: a chain, or a tree of candidates.
+
+    In a tree, parents[i] is the index of token i's parent, -1 for the sequence's own last
+    token, and every parent comes before its children. Several children of one node are
+    alternatives for the same position; the verify pass scores them all at once (one decode row
+    per token, each seeing only its ancestors) and walks down the branch the model's samples
+    take, so a tree is verified as exactly as a chain.
     """
-    n = 0
-    while n < len(drafts) and drafts[n] == samples[n]:
-        n += 1
-    return n
+
+    token_ids: list[int]
+    parents: list[int] | None = None  # None: a chain, token i's parent is token i - 1
+
+
+def accepted_path(token_ids: list[int], parents: list[int] | None, samples: list[int]) -> list[int]:
+    """The drafts the model accepts, as indices into token_ids, from the root down.
+
+    samples[0] is the model's token after the sequence's last token, samples[i + 1] its token
+    after draft i (with draft i's ancestors taken as accepted). A draft is accepted when it is
+    a child of the last accepted node (the root at first) and equals the model's sample there;
+    the tokens gained are the accepted drafts followed by the sample after the last of them.
+    """
+    if parents is None:
+        n = 0
+        while n < len(token_ids) and token_ids[n] == samples[n]:
+            n += 1
+        return list(range(n))
+    path, node = [], -1
+    while True:
+        expected = samples[node + 1]
+        child = next((i for i in range(node + 1, len(token_ids)) if parents[i] == node and token_ids[i] == expected),
+                     None)
+        if child is None:
+            return path
+        path.append(child)
+        node = child
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each draft in a tree: 1 for a child of the sequence's last token."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths

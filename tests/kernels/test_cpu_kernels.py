@@ -65,6 +65,44 @@ def test_decode_kernel_matches_torch(monkeypatch, dtype, kind, heads, kv_heads, 
     assert (ours.float() - reference).abs().max().item() < _tolerance(dtype, kind)
 
 
+def _ancestor_mask(row_slot: int, visible_slots: list[int]) -> int:
+    """The int64 of bits (row_slot - slot) over the visible slots within 63 of the row."""
+    bits = sum(1 << (row_slot - slot) for slot in visible_slots if row_slot - slot < 64)
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_tree_rows_see_their_context_and_ancestors_only(monkeypatch, c_kernel):
+    """A candidate tree after a 40-token context: the root (slot 40) and nodes 0-4 (slots 41-45)
+    with parents root, 0, root, 2, 1, next to a plain sequence's row. Each row must equal softmax
+    attention over exactly the slots it sees, computed densely from the K/V the cache holds."""
+    heads, kv_heads, block_size, dim, num_blocks = 4, 2, 8, 16, 8
+    cache = _cache("float32", num_blocks, kv_heads, block_size, dim)
+    g = torch.Generator().manual_seed(0)  # the K/V _cache wrote, slot by slot (block table = identity)
+    keys = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    values = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    parents = [-1, 0, -1, 2, 1]
+    rows = [(40, list(range(41)))]  # (own slot, the slots it sees)
+    for node, parent in enumerate(parents):
+        seen = rows[parent + 1][1] if parent >= 0 else rows[0][1]
+        rows.append((41 + node, seen + [41 + node]))
+    rows.append((30, list(range(31))))  # a plain decode row of another sequence
+    masks = [_ancestor_mask(slot, seen) for slot, seen in rows[:-1]] + [-1]
+    table = torch.arange(num_blocks).repeat(len(rows), 1)
+    meta = AttentionMetadata(None, None, num_decodes=len(rows), decode_block_tables=table,
+                             decode_context_lens=torch.tensor([slot + 1 for slot, _ in rows]),
+                             decode_ancestor_masks=torch.tensor(masks, dtype=torch.long))
+    q = torch.randn(len(rows), heads, dim, generator=g)
+    if not c_kernel:
+        _torch_only(monkeypatch)
+    ours = _attend(attention._decode_attention, q, cache, meta, dim ** -0.5)
+    for r, (_, seen) in enumerate(rows):
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            weights = torch.softmax(keys[seen, kv] @ q[r, h] * dim ** -0.5, dim=0)
+            assert torch.allclose(ours[r, h], weights @ values[seen, kv], atol=2e-6), (r, h)
+
+
 @pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("first_position, chunk", [(0, 1), (0, 37), (0, 100), (5, 1), (16, 16), (29, 50)])
 def test_prefill_kernel_matches_torch(monkeypatch, dtype, kind, first_position, chunk):

@@ -1,5 +1,6 @@
 """Medusa heads: what an untrained head computes, saving and loading, the model check, the
-training positions, a tiny self-distillation run, and `brisk train-medusa`."""
+training positions, a tiny self-distillation run, `brisk train-medusa`, and decoding with the
+heads: the candidate tree and the output of plain decoding."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from brisk import LLM, SamplingParams
 from brisk.cli import main
+from brisk.config import ConfigError
 from brisk.model.loader import load_model, open_checkpoint
-from brisk.spec.medusa import CONFIG_FILE, MedusaHeads, MedusaModelMismatch
+from brisk.spec.medusa import CONFIG_FILE, HeadAccuracy, MedusaHeads, MedusaModelMismatch
+from brisk.spec.medusa_drafter import TreeNode, candidate_tree
 from brisk.spec.medusa_train import Features, MedusaTrainConfig, Transcript, _targets, train_medusa
+from tests.conftest import assert_no_leaks, build_tiny_checkpoint
 
 # One untied and one tied LM head: both are what `compute_logits` multiplies by.
 TWO_TINY = pytest.mark.parametrize("tiny_model_dir", ["llama", "qwen2"], indirect=True)
@@ -190,3 +195,57 @@ def test_train_medusa_writes_heads_that_load(tiny_model_dir, tmp_path, capsys):
     assert len(config["accuracy"]["top_k"]) == 2
     heads = MedusaHeads.load(str(out), _model(tiny_model_dir), tiny_model_dir)
     assert heads.num_heads == 2
+
+
+# Medusa decoding: the tree the heads' accuracy calls for, and the output of plain decoding.
+
+def test_the_tree_takes_the_likeliest_nodes_depth_first():
+    # P(right): head 0's candidates .5, .2, .05; head 1's .3, .1, .05 (cumulative top-k below).
+    accuracy = HeadAccuracy(top_k=[[0.5, 0.7, 0.75], [0.3, 0.4, 0.45]], positions=[100, 100], loss=1.0)
+    # worths: (0) .5, (1) .2, (0,0) .15, (1,0) .06, (0,1) .05, (2) .05 ...
+    assert candidate_tree(accuracy, num_heads=2, size=4) == [
+        TreeNode(-1, 0, 0), TreeNode(0, 1, 0), TreeNode(-1, 0, 1), TreeNode(2, 1, 0)]
+    assert candidate_tree(accuracy, num_heads=1, size=2) == [TreeNode(-1, 0, 0), TreeNode(-1, 0, 1)]
+    # heads saved without an evaluation: each head's best candidate, as a chain
+    assert candidate_tree(None, num_heads=3, size=5) == [TreeNode(-1, 0, 0), TreeNode(0, 1, 0), TreeNode(1, 2, 0)]
+
+
+def _heads_folder(tiny_dir: str, folder: str, accuracy: HeadAccuracy) -> str:
+    """Random heads for the tiny model, saved with a measured accuracy (which shapes the tree)."""
+    heads = _random_heads(_model(tiny_dir), tiny_dir, num_heads=3)
+    heads.config = replace(heads.config, accuracy=accuracy)
+    heads.save(folder)
+    return folder
+
+
+@LLAMA
+def test_medusa_decoding_gives_the_tokens_of_plain_decoding(tiny_model_dir, tmp_path):
+    """A tree of 6 candidates from random heads, greedy and seeded, alone and batched: the tokens
+    of plain decoding, some drafts accepted, no block left behind."""
+    accuracy = HeadAccuracy(top_k=[[0.4, 0.6, 0.7], [0.3, 0.45, 0.5], [0.2, 0.3, 0.35]], positions=[1, 1, 1], loss=1.0)
+    folder = _heads_folder(tiny_model_dir, str(tmp_path / "heads"), accuracy)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 9, 12 + i]} for i in range(6)]
+    options = dict(dtype="float32", max_model_len=96, num_kv_blocks=64, block_size=4)
+    plain = LLM(tiny_model_dir, **options)
+    medusa = LLM(tiny_model_dir, **options, speculative_config={
+        "model": folder, "num_speculative_tokens": 6, "disable_by_batch_size": 64})
+    assert medusa.engine.speculator.config.method == "medusa"
+    assert len(medusa.engine.speculator.drafter.tree) == 6
+    for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True)):
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        batched = medusa.generate(prompts, params, use_tqdm=False)
+        alone = [medusa.generate(p, params, use_tqdm=False)[0] for p in prompts[:2]]
+        assert [o.outputs[0].token_ids for o in batched + alone] == expected + expected[:2]
+        assert_no_leaks(medusa.engine)
+        spec = [o.metrics.spec_decode for o in batched]
+        assert all(s is not None and s.num_drafts > 0 for s in spec)
+        assert sum(s.num_accepted_tokens for s in spec) > 0
+
+
+@LLAMA
+def test_heads_of_another_model_are_a_config_error(tiny_model_dir, tmp_path):
+    other = build_tiny_checkpoint(str(tmp_path / "other"), "qwen2")
+    folder = _heads_folder(other, str(tmp_path / "heads"), None)
+    with pytest.raises(ConfigError, match="trained on"):
+        LLM(tiny_model_dir, dtype="float32", max_model_len=96, num_kv_blocks=64, speculative_config={"model": folder})

@@ -15,6 +15,8 @@ from brisk.engine.request import Request
 from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
+from brisk.spec.verify import Draft
+from brisk.engine.runner import RunnerOutput
 from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint, load_hf_reference
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [30, 31, 32], list(range(10, 47)), [9, 9, 9, 9], [40, 41, 40, 41, 40],
@@ -39,7 +41,7 @@ class ScriptedDrafter:
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int = 3):
         self.continuations, self.wrong_every = continuations, wrong_every
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
         drafts = []
         for request, k in zip(requests, num_tokens):
             truth = self.continuations[tuple(request.prompt_token_ids)]
@@ -48,11 +50,32 @@ class ScriptedDrafter:
             for i in range(len(proposal)):
                 if (start + i) % self.wrong_every == self.wrong_every - 1:
                     proposal[i] = (proposal[i] + 1) % TINY_VOCAB
-            drafts.append(proposal)
+            drafts.append(Draft(proposal))
         return drafts
 
     def forget(self, live: set[str]) -> None:
         pass
+
+
+class TreeDrafter(ScriptedDrafter):
+    """Proposes a tree whose first branch is wrong and whose second is the known continuation
+    (wrong at every `wrong_every`-th position), so accepted drafts sit past a rejected branch
+    and their K/V has to be moved next to the sequence::
+
+        last ─ x ─ y        (x, y wrong)
+             └ t0 ─ t1 ─ t2
+    """
+
+    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
+        drafts = []
+        for chain, k in zip(super().propose(requests, [3] * len(requests), step), num_tokens):
+            right = chain.token_ids
+            wrong = [(right[0] + 2) % TINY_VOCAB, (right[0] + 3) % TINY_VOCAB] if right else []
+            nodes = [(-1, 1, t) for t in wrong[:1]] + [(0, 2, t) for t in wrong[1:]] + [
+                (-1 if i == 0 else len(wrong) + i - 1, i + 1, t) for i, t in enumerate(right)]
+            kept = [(parent, token) for parent, depth, token in nodes if depth <= k]
+            drafts.append(Draft([t for _, t in kept], [p for p, _ in kept]))
+        return drafts
 
 
 class ConstantDrafter:
@@ -61,8 +84,8 @@ class ConstantDrafter:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
-    def propose(self, requests, num_tokens):
-        return [self.tokens[:k] for k in num_tokens]
+    def propose(self, requests, num_tokens, step):
+        return [Draft(self.tokens[:k]) for k in num_tokens]
 
     def forget(self, live):
         pass
@@ -106,10 +129,12 @@ def greedy_reference(plain) -> dict[tuple[int, ...], list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "scripted", "constant", "same-model", "self-int8", "other-model"])
+@pytest.mark.parametrize("drafter", ["ngram", "scripted", "tree", "constant", "same-model", "self-int8",
+                                     "other-model"])
 def test_greedy_output_equals_plain_decoding_alone_and_batched(tiny_dir, other_tiny_dir, greedy_reference, drafter):
     llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
     drafters = {"ngram": lambda: None, "scripted": lambda: ScriptedDrafter(greedy_reference),
+                "tree": lambda: TreeDrafter(greedy_reference),
                 "constant": lambda: ConstantDrafter([9, 9, 9]), "same-model": lambda: _draft_model(llm, tiny_dir),
                 "self-int8": lambda: _draft_model(llm, "self-int8"),
                 "other-model": lambda: _draft_model(llm, other_tiny_dir)}
@@ -122,6 +147,8 @@ def test_greedy_output_equals_plain_decoding_alone_and_batched(tiny_dir, other_t
     assert all(s is not None and s.num_drafts > 0 for s in spec)  # every prompt drafted at some step
     if drafter == "scripted":  # right twice, then wrong: 2 of every 3 drafted tokens or so are accepted
         assert 0.4 < sum(s.num_accepted_tokens for s in spec) / sum(s.num_draft_tokens for s in spec) < 0.9
+    if drafter == "tree":  # from the second branch only (2 of its 3 tokens or so), so K/V was moved
+        assert 1.2 < sum(s.num_accepted_tokens for s in spec) / sum(s.num_drafts for s in spec) < 2.6
     if drafter in ("constant", "other-model"):
         assert sum(s.num_accepted_tokens for s in spec) < sum(s.num_draft_tokens for s in spec) / 2
     rate = sum(s.num_accepted_tokens for s in spec) / sum(s.num_draft_tokens for s in spec)
@@ -131,20 +158,22 @@ def test_greedy_output_equals_plain_decoding_alone_and_batched(tiny_dir, other_t
         assert rate > 0.6
 
 
-@pytest.mark.parametrize("drafter", ["scripted", "draft-model"])
+@pytest.mark.parametrize("drafter", ["scripted", "tree", "draft-model"])
 def test_greedy_output_equals_plain_decoding_with_chunked_prefill_and_preemption(tiny_dir, greedy_reference,
                                                                                  drafter):
     """An 8-token step budget chunks every prompt while others verify drafts, and 24 blocks of 4
     tokens cannot hold six sequences of ~70 tokens: requests are preempted mid-speculation."""
     llm = _llm(tiny_dir, num_kv_blocks=24, block_size=4, max_num_batched_tokens=8)
-    _speculate(llm, ScriptedDrafter(greedy_reference) if drafter == "scripted" else _draft_model(llm, "self-int8"))
+    drafters = {"scripted": lambda: ScriptedDrafter(greedy_reference), "tree": lambda: TreeDrafter(greedy_reference),
+                "draft-model": lambda: _draft_model(llm, "self-int8")}
+    _speculate(llm, drafters[drafter]())
     assert _tokens(llm, PROMPTS, GREEDY) == [greedy_reference[tuple(p)] for p in PROMPTS]
     assert llm.engine.scheduler.stats.num_preemptions > 0
     if drafter == "draft-model":
         assert llm.engine.speculator.drafter.kv.num_free_blocks == 24  # its shadows left with their requests
 
 
-@pytest.mark.parametrize("drafter", ["scripted", "draft-model"])
+@pytest.mark.parametrize("drafter", ["scripted", "tree", "draft-model"])
 def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_dir, plain, drafter):
     """Each position's token is drawn from the same distribution with the same uniform, drafted
     or not: penalties, min_tokens and top-k/top-p see the earlier drafts as output."""
@@ -152,8 +181,10 @@ def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_dir, plain, dra
                              repetition_penalty=1.2, presence_penalty=0.3) for i in range(len(PROMPTS))]
     reference = _tokens(plain, PROMPTS, params)
     llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
-    _speculate(llm, ScriptedDrafter({tuple(p): t for p, t in zip(PROMPTS, reference)}) if drafter == "scripted"
-               else _draft_model(llm, "self-int4"))
+    continuations = {tuple(p): t for p, t in zip(PROMPTS, reference)}
+    drafters = {"scripted": lambda: ScriptedDrafter(continuations), "tree": lambda: TreeDrafter(continuations),
+                "draft-model": lambda: _draft_model(llm, "self-int4")}
+    _speculate(llm, drafters[drafter]())
     assert _tokens(llm, PROMPTS, params) == reference
     assert _tokens(llm, PROMPTS[::-1], params[::-1]) == reference[::-1]  # whatever is batched with it
 
