@@ -43,7 +43,9 @@ def test_logits_match_transformers(real_llm, real_hf_model, prompts):
     reference = hf_logits(real_hf_model, prompt)
     assert (brisk_logits(real_llm.engine, prompt) - reference).abs().max().item() < 1e-4
     chunks = [16, 9, len(prompt) - 25]  # prefill continuing a cached context, chunk edges mid-block
-    assert (brisk_logits(real_llm.engine, prompt, chunks) - reference).abs().max().item() < 1e-4
+    # Chunks of up to 16 tokens run through the C matvec: each fp32 computation is within 1e-4 of
+    # the exact logits (next test), so two of them within 2e-4 of each other.
+    assert (brisk_logits(real_llm.engine, prompt, chunks) - reference).abs().max().item() < 2e-4
 
 
 def test_decode_path_logits_match_exact_transformers(real_llm, real_model_path, prompts):
