@@ -27,11 +27,12 @@ from brisk.spec.medusa_drafter import MedusaDrafter
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.verify import Draft
 
-# Running sequences past which speculation is off by default, per method (`brisk bench spec`, CPU):
-# prompt lookup costs only the verify rows; a draft model also a pass of its own per draft
-# token, which already lost at 2 sequences (0.6x plain decoding); Medusa a tree of verify rows
-# and the heads' pass through the LM head.
-DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 4, "draft_model": 1, "medusa": 1}
+# Running sequences past which speculation is off by default, per method (BENCHMARKS.md, CPU):
+# prompt lookup costs only the verify rows, and on copying prompts still paid 1.74x at 2
+# sequences and 1.2x at 3, but lost at 4 (0.9x; chat prompts 0.93-0.95x at 2-4); a draft model
+# costs a pass of its own per draft token, which already lost at 2 sequences (0.6x plain
+# decoding); Medusa a tree of verify rows and the heads' pass through the LM head.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "draft_model": 1, "medusa": 1}
 
 
 class Drafter(Protocol):
