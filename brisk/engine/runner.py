@@ -117,7 +117,7 @@ class ModelRunner:
                 out.logprobs[rid] = [entries[first + row] for row in used]
             if self.keep_hidden_states:
                 out.hidden_states[rid] = hidden[first + used[-1]]
-            last = chunk.request.num_computed_tokens  # the slot of the sequence's last token
+            last = chunk.request.num_computed_tokens  # a verify pass: the slot of the sequence's last token
             moves.extend((rid, last + row, last + depth) for depth, row in enumerate(used) if row != depth)
             first += len(drafts) + 1
         if moves:
@@ -218,7 +218,7 @@ class ModelRunner:
 
 # Chunks of up to this many tokens run as decode rows even without drafts: a step of only decode
 # rows goes through the fused decode kernel, where a prefill span takes the layer-by-layer path
-# (a draft model's 2-token catch-up pass took 21 ms that way, 9 ms as decode rows; CPU, int4).
+# (a draft model's 2-4-token catch-up passes took 21 ms that way, 14 ms as decode rows; CPU, int4).
 DECODE_ROWS_MAX_CHUNK = 4
 
 
