@@ -54,13 +54,15 @@ class QuantizedLayout:
         return f"{self.method}, groups of {self.group_size}" if self.method in GROUPED_FORMATS else self.method
 
 
-def write_folder(out: str, config: dict, layout: QuantizedLayout, tokenizer: Tokenizer,
+def write_folder(out: str, config: dict, layout: QuantizedLayout | None, tokenizer: Tokenizer,
                  weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
-    """A folder the loader opens like any Hugging Face checkpoint: config.json (`config` plus the
-    quantization_config), the tokenizer's files and model.safetensors."""
+    """A folder the loader (and transformers, for float weights) opens like any Hugging Face
+    checkpoint: config.json (`config`, plus the quantization_config of quantized weights), the
+    tokenizer's files and model.safetensors."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({**config, "quantization_config": layout.config_entry()}, f, indent=2)
+        json.dump(config if layout is None else {**config, "quantization_config": layout.config_entry()}, f,
+                  indent=2)
     tokenizer.save(out)
     save_weights(os.path.join(out, "model.safetensors"), weights)
 
