@@ -138,7 +138,7 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         decodes = [c for c in sched.chunks if _as_decode_rows(c)]
         prefills = [c for c in sched.chunks if not _as_decode_rows(c)]
-        ids, positions, blocks, offsets = [], [], [], []
+        ids, positions, blocks, slots = [], [], [], []
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in sched.chunks}
         for chunk in decodes + prefills:
             r, start = chunk.request, chunk.request.num_computed_tokens
@@ -146,17 +146,17 @@ class ModelRunner:
             num_known = chunk.num_new_tokens - len(chunk.draft_token_ids)
             ids.extend(r.token_ids[start:start + num_known])
             ids.extend(chunk.draft_token_ids)
-            slots = range(start, start + chunk.num_new_tokens)
-            blocks.extend(table[s // self.block_size] for s in slots)
-            offsets.extend(s % self.block_size for s in slots)
+            span = range(start, start + chunk.num_new_tokens)  # the slots its tokens' K/V go to
+            slots.extend(span)
+            blocks.extend(table[s // self.block_size] for s in span)
             if chunk.draft_parents is None:
-                positions.extend(slots)
+                positions.extend(span)
             else:  # a tree: each draft at the position of its depth
                 last = start + num_known - 1
                 positions.extend([*range(start, last + 1), *(last + d for d in tree_depths(chunk.draft_parents))])
         attn = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
-            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=self.device),
+            slot_offsets=(torch.tensor(slots, dtype=torch.long) % self.block_size).to(self.device),
             num_decodes=sum(c.num_new_tokens for c in decodes),
         )
         if decodes:
