@@ -39,6 +39,8 @@ def knobs(config_cls: type) -> list[dataclasses.Field]:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
 MEDUSA_CONFIG_FILE = "medusa_config.json"  # what marks a folder of Medusa heads (spec/medusa.py)
+# Draft "models" that are the target's own weights in low bits (spec/draft_model.py): name -> quantization
+SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
 
 
 @dataclass
@@ -58,7 +60,7 @@ class SpeculativeConfig:
     candidates as a tree of num_speculative_tokens tokens, verified in one pass.
     """
 
-    method: str | None = None  # default: draft_model if `model` is given, else ngram
+    method: str | None = None  # default: medusa for a folder of heads, draft_model for another `model`, else ngram
     model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int | None = None
@@ -80,8 +82,9 @@ class SpeculativeConfig:
         if (self.method in ("draft_model", "medusa")) != (self.model is not None):
             raise ConfigError("speculative_config.model names the draft model or Medusa heads, and only methods "
                               "draft_model and medusa take one")
-        if self.model is not None and self.model not in ("self-int8", "self-int4") and not os.path.exists(self.model):
-            raise ConfigError(f"speculative_config.model: no such path {self.model!r} (or use self-int8 / self-int4)")
+        if self.model is not None and self.model not in SELF_DRAFTS and not os.path.exists(self.model):
+            raise ConfigError(f"speculative_config.model: no such path {self.model!r} (or use "
+                              f"{' / '.join(SELF_DRAFTS)})")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_max, self.prompt_lookup_min = 4, 2
         self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min

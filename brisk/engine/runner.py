@@ -39,7 +39,7 @@ from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
-from brisk.spec.verify import accepted_path, tree_depths
+from brisk.spec.verify import accepted_path, branch, tree_depths
 
 
 @dataclass
@@ -138,7 +138,7 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         decodes = [c for c in sched.chunks if _as_decode_rows(c)]
         prefills = [c for c in sched.chunks if not _as_decode_rows(c)]
-        ids, positions, blocks, offsets = [], [], [], []
+        ids, positions, blocks, slots = [], [], [], []
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in sched.chunks}
         for chunk in decodes + prefills:
             r, start = chunk.request, chunk.request.num_computed_tokens
@@ -146,17 +146,17 @@ class ModelRunner:
             num_known = chunk.num_new_tokens - len(chunk.draft_token_ids)
             ids.extend(r.token_ids[start:start + num_known])
             ids.extend(chunk.draft_token_ids)
-            slots = range(start, start + chunk.num_new_tokens)
-            blocks.extend(table[s // self.block_size] for s in slots)
-            offsets.extend(s % self.block_size for s in slots)
+            span = range(start, start + chunk.num_new_tokens)  # the slots its tokens' K/V go to
+            slots.extend(span)
+            blocks.extend(table[s // self.block_size] for s in span)
             if chunk.draft_parents is None:
-                positions.extend(slots)
+                positions.extend(span)
             else:  # a tree: each draft at the position of its depth
                 last = start + num_known - 1
                 positions.extend([*range(start, last + 1), *(last + d for d in tree_depths(chunk.draft_parents))])
         attn = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
-            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=self.device),
+            slot_offsets=(torch.tensor(slots, dtype=torch.long) % self.block_size).to(self.device),
             num_decodes=sum(c.num_new_tokens for c in decodes),
         )
         if decodes:
@@ -235,33 +235,16 @@ def _sampling_rows(chunk: ScheduledChunk) -> list[SamplingRow]:
     r, drafts = chunk.request, chunk.draft_token_ids
     assert r.grammar is None or not drafts, "drafts of a constrained sequence would be sampled unconstrained"
     first = SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.eos_token_ids, r.sampling_seed, r.grammar)
-    return [first] + [SamplingRow(r.params, r.token_ids + _branch(chunk, i), r.num_prompt_tokens, r.eos_token_ids,
-                                  r.sampling_seed) for i in range(len(drafts))]
-
-
-def _branch(chunk: ScheduledChunk, i: int) -> list[int]:
-    """Draft i and its ancestors among the drafts, root first."""
-    drafts, parents = chunk.draft_token_ids, chunk.draft_parents
-    if parents is None:
-        return drafts[:i + 1]
-    branch = []
-    while i >= 0:
-        branch.append(drafts[i])
-        i = parents[i]
-    return branch[::-1]
+    return [first] + [SamplingRow(r.params, r.token_ids + [drafts[j] for j in branch(chunk.draft_parents, i)],
+                                  r.num_prompt_tokens, r.eos_token_ids, r.sampling_seed) for i in range(len(drafts))]
 
 
 def _ancestor_masks(chunk: ScheduledChunk) -> list[int]:
     """Per row of a decode chunk, the keys it sees among the 63 before its own (attention.h):
     every one (-1), but for a tree's drafts, which skip the drafts of other branches."""
     masks = [-1] * (chunk.num_new_tokens - len(chunk.draft_token_ids))
-    parents = chunk.draft_parents
     for i in range(len(chunk.draft_token_ids)):
-        hidden = set(range(i)) if parents is not None else set()
-        node = parents[i] if parents is not None else -1
-        while node >= 0:
-            hidden.discard(node)
-            node = parents[node]
+        hidden = set(range(i)) - set(branch(chunk.draft_parents, i))  # earlier drafts of other branches
         bits = (1 << 64) - 1 - sum(1 << (i - j) for j in hidden)  # draft j is i - j slots back
         masks.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
     return masks

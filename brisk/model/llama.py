@@ -188,10 +188,15 @@ class LlamaForCausalLM(nn.Module):
                 self.spec.num_kv_heads, self.spec.rms_norm_eps)
         return self._decode_layers
 
+    @property
+    def output_head(self) -> nn.Module:
+        """The LM head: its own layer, or the embedding table when the two are tied."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32. Past a few rows computed as (W @ h^T)^T: for the tall
         vocabulary matrix BLAS runs that orientation 1.2-3x faster on CPU than h @ W^T."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        head = self.output_head
         if isinstance(head, QuantizedWeight):
             return head.linear(hidden).float()
         weight = head.weight

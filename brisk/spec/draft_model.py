@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from brisk.config import ConfigError, EngineConfig
+from brisk.config import SELF_DRAFTS, ConfigError, EngineConfig
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
 from brisk.engine.runner import ModelRunner, RunnerOutput
@@ -32,7 +32,6 @@ from brisk.model.loader import Checkpoint, load_model, open_checkpoint
 from brisk.sampling_params import SamplingParams
 from brisk.spec.verify import Draft
 
-SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}  # model name -> quantization of the target's weights
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
 

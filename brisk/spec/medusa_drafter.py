@@ -122,7 +122,7 @@ class MedusaDrafter:
 
 def _proposal_head(model: LlamaForCausalLM) -> QuantizedWeight:
     """The model's LM head in int8, or as it is when already quantized."""
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    head = model.output_head
     if isinstance(head, QuantizedWeight):
         return head
     return QuantizedLinear(quantize(head.weight.detach(), "int8"))

@@ -62,6 +62,17 @@ def accepted_path(token_ids: list[int], parents: list[int] | None, samples: list
         node = child
 
 
+def branch(parents: list[int] | None, i: int) -> list[int]:
+    """Draft i and its ancestors among the drafts, as indices, root first."""
+    if parents is None:
+        return list(range(i + 1))
+    nodes = []
+    while i >= 0:
+        nodes.append(i)
+        i = parents[i]
+    return nodes[::-1]
+
+
 def tree_depths(parents: list[int]) -> list[int]:
     """Depth of each draft in a tree: 1 for a child of the sequence's last token."""
     depths: list[int] = []

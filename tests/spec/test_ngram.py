@@ -6,7 +6,7 @@ from brisk.engine.request import Request
 from brisk.sampling_params import SamplingParams
 from brisk.spec.ngram import NgramDrafter
 from brisk.engine.runner import RunnerOutput
-from brisk.spec.verify import accepted_path, tree_depths
+from brisk.spec.verify import accepted_path, branch, tree_depths
 
 
 def _request(tokens: list[int], rid: str = "r") -> Request:
@@ -62,6 +62,8 @@ def test_a_tree_is_walked_down_the_branch_the_samples_take():
     # 0:a(5) 1:b(6, under a) 2:c(7, under root) 3:d(8, under c) 4:e(9, under a)
     tokens, parents = [5, 6, 7, 8, 9], [-1, 0, -1, 2, 0]
     assert tree_depths(parents) == [1, 2, 1, 2, 2]
+    assert [branch(parents, i) for i in range(5)] == [[0], [0, 1], [2], [2, 3], [0, 4]]
+    assert branch(None, 2) == [0, 1, 2]
     # samples: root, then after each draft; the root's sample picks c, c's picks d
     assert accepted_path(tokens, parents, [7, 0, 0, 8, 0, 0]) == [2, 3]
     assert accepted_path(tokens, parents, [5, 9, 0, 0, 0, 0]) == [0, 4]  # a, then the second child e
