@@ -1,4 +1,4 @@
-"""The `brisk` command: generate, chat, serve, quantize, export-tokenizer, train-medusa, bench, eval.
+"""The `brisk` command: generate, chat, serve, quantize, export-tokenizer, train-medusa, distill, bench, eval.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's, so every command accepts the same options with the same
@@ -135,6 +135,17 @@ def cmd_train_medusa(args: argparse.Namespace) -> None:
     print(f"{args.out}: {config.num_heads} Medusa heads for {heads.config.base_model.file_name}")
 
 
+def cmd_distill(args: argparse.Namespace) -> None:
+    """A student of the model trained by knowledge distillation (brisk/distill/train.py)."""
+    from brisk.distill.train import DistillConfig, distill
+
+    config = config_from_args(DistillConfig, args)
+    report = distill(args.model, args.out, config, log=lambda line: print(line, file=sys.stderr), progress=True)
+    print(report.summary())
+    print(f"{args.out}: the student, a Hugging Face folder (`brisk serve --model {args.out}`, or as a draft model: "
+          f"--speculative-config '{{\"model\": \"{args.out}\"}}')")
+
+
 def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineClient:
     """The engine on a thread of this process, or in a process of its own (--engine-process)."""
     if server_config.engine_process:
@@ -190,6 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--out", required=True, help="folder to write (must be new or empty)")
     add_config_arguments(medusa, MedusaTrainConfig, "training options")
     medusa.set_defaults(func=cmd_train_medusa)
+
+    from brisk.distill.train import DistillConfig
+
+    dist = sub.add_parser("distill", help="train a smaller student of the model by knowledge distillation")
+    dist.add_argument("model", nargs="?", default=None,
+                      help="the teacher: Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)")
+    dist.add_argument("--out", required=True,
+                      help="the student's folder (new or empty; or an interrupted run's, to resume it)")
+    add_config_arguments(dist, DistillConfig, "distillation options")
+    dist.set_defaults(func=cmd_distill)
 
     from brisk.bench.cli import add_bench_parser, add_eval_parser
 

@@ -70,6 +70,8 @@ def add_bench_parser(sub) -> None:
     sp.add_argument("--medusa", default=None, metavar="DIR",
                     help="Medusa heads (`brisk train-medusa`) to run on the chat prompts too")
     sp.add_argument("--medusa-tree-size", type=int, default=3, help="candidates in Medusa's tree")
+    sp.add_argument("--draft-models", nargs="+", default=[], metavar="DIR",
+                    help="draft model folders (a `brisk distill` student, say) to run on the chat prompts too")
     sp.add_argument("--num-prompts", type=int, default=8, help="prompts per workload (the batch of the 'at once' run)")
     sp.add_argument("--output-len", type=int, default=128)
     sp.add_argument("--temperature", type=float, default=0.0)
@@ -132,6 +134,20 @@ def add_eval_parser(sub) -> None:
     # fp32 is the reference every other mode is compared with; whole windows fit one step.
     ppl.set_defaults(func=_main_of("brisk.bench.perplexity"), dtype="float32", max_num_batched_tokens=2048,
                      kv_cache_memory_gib=2.0)
+
+    ds = kinds.add_parser("distill", help="distilled students beside their teacher: quality on held-out text, speed")
+    ds.add_argument("students", nargs="+", help="student folders written by `brisk distill`")
+    ds.add_argument("--data", default=None,
+                    help="the run's data file with the held-out text; default: the first student's distill/data.pt")
+    ds.add_argument("--context-len", type=int, default=1024, help="perplexity windows (as `brisk eval perplexity`)")
+    ds.add_argument("--stride", type=int, default=768)
+    ds.add_argument("--decode-len", type=int, default=128, help="tokens per request of the speed runs")
+    ds.add_argument("--batch", type=int, default=16, help="requests at once in the batched speed run")
+    ds.add_argument("--rounds", type=int, default=3, help="speed rounds, alternating between the models")
+    add_engine_arguments(ds)
+    # --model is the teacher (default: the one the data was made with); the students get the same options.
+    ds.set_defaults(func=_main_of("brisk.distill.evaluate"), dtype="float32", max_num_batched_tokens=2048,
+                    kv_cache_memory_gib=2.0)
 
 
 def _main_of(module: str):

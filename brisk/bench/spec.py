@@ -12,6 +12,7 @@ a "forced" row keeps it on at that batch size, to show what the policy avoids.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -34,19 +35,26 @@ class Run:
 
 
 def speculators(llm: LLM, k: int, methods: list[str], medusa: str | None = None,
-                medusa_tree_size: int = 3) -> dict[str, Speculator | None]:
+                medusa_tree_size: int = 3, draft_models: list[str] = ()) -> dict[str, Speculator | None]:
+    """A speculator per method; a draft model folder is a method named after the folder."""
     engine = llm.engine
     specs = {"ngram": SpeculativeConfig(num_speculative_tokens=k),
              "self-int8": SpeculativeConfig(model="self-int8", num_speculative_tokens=k),
              "self-int4": SpeculativeConfig(model="self-int4", num_speculative_tokens=k)}
     if medusa is not None:
         specs["medusa"] = SpeculativeConfig(method="medusa", model=medusa, num_speculative_tokens=medusa_tree_size)
+    for path in draft_models:
+        specs[draft_name(path)] = SpeculativeConfig(model=path, num_speculative_tokens=k)
     built: dict[str, Speculator | None] = {"plain": None}
     for method in methods:
         config = replace(engine.config, speculative_config=specs[method])
         built[method] = Speculator.build(config, engine.checkpoint, engine.runner, engine.max_model_len,
                                          engine.kv.num_blocks)
     return built
+
+
+def draft_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path))
 
 
 def run(llm: LLM, speculator: Speculator | None, conversations: list, params: SamplingParams, together: bool,
@@ -69,9 +77,9 @@ def run(llm: LLM, speculator: Speculator | None, conversations: list, params: Sa
 
 def main(args) -> None:
     llm = LLM.from_config(engine_config_from_args(args))
-    chat = args.methods + (["medusa"] if args.medusa else [])
+    chat = args.methods + (["medusa"] if args.medusa else []) + [draft_name(p) for p in args.draft_models]
     methods = {"copy": [m for m in args.methods if m == "ngram"] or args.methods, "chat": chat}
-    built = speculators(llm, args.num_speculative_tokens, chat, args.medusa, args.medusa_tree_size)
+    built = speculators(llm, args.num_speculative_tokens, chat, args.medusa, args.medusa_tree_size, args.draft_models)
     params = SamplingParams(temperature=args.temperature, top_p=0.95 if args.temperature else 1.0, seed=1,
                             max_tokens=args.output_len)
     print(f"model: {llm.engine.checkpoint.path} ({args.dtype}), threads: {torch.get_num_threads()}, "

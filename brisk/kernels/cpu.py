@@ -166,17 +166,23 @@ def _serves(source_name: str, x: torch.Tensor, cache: KVCacheLayer) -> bool:
             and _shaped_library(source_name, cache) is not None)
 
 
+def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must see this op: no C kernel has a backward, so training (Medusa heads,
+    distillation) takes the torch path of every op whose inputs want a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def available(x: torch.Tensor, cache: KVCacheLayer) -> bool:
-    """Whether the attention kernels serve activations like x with this cache (device, kinds, shape)."""
-    return _serves("paged_attention.c", x, cache)
+    """Whether the attention kernels serve activations like x with this cache (device, kinds,
+    shape) and no gradient is wanted."""
+    return not _wants_grad(x) and _serves("paged_attention.c", x, cache)
 
 
 def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear_rows should run this product: few rows, on CPU, a supported dtype, and no
-    gradient wanted (the C kernels have no backward)."""
-    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return (x.shape[0] <= SMALL_BATCH_ROWS and not wants_grad and _on_cpu(weight) and x.dtype == weight.dtype
-            and _library("linear.c") is not None)
+    gradient wanted."""
+    return (x.shape[0] <= SMALL_BATCH_ROWS and not _wants_grad(x, weight) and _on_cpu(weight)
+            and x.dtype == weight.dtype and _library("linear.c") is not None)
 
 
 def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -262,9 +268,10 @@ def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -
                                          bitmask.data_ptr(), bitmask.shape[1])
 
 
-def layer_ops_available(x: torch.Tensor) -> bool:
-    """Whether the fused norm and activation kernels serve this tensor's device and dtype."""
-    return _on_cpu(x) and _library("layer_ops.c") is not None
+def layer_ops_available(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether the fused norm and activation kernels serve this tensor's device and dtype (and
+    the norm's weight), with no gradient wanted."""
+    return not _wants_grad(x, weight) and _on_cpu(x) and _library("layer_ops.c") is not None
 
 
 def _layer_op(name: str, dtype: torch.dtype):
@@ -399,8 +406,8 @@ class DecodeLayerWeights:
 
 def decode_layers_available(weight: torch.Tensor, cache: KVCacheLayer) -> bool:
     """Whether the fused decode step (decode_layers.c) serves a model whose weights are like
-    `weight` (a norm's: the model's dtype) with this cache."""
-    return _serves("decode_layers.c", weight, cache)
+    `weight` (a norm's: the model's dtype) with this cache, with no gradient wanted."""
+    return not _wants_grad(weight) and _serves("decode_layers.c", weight, cache)
 
 
 

@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if cpu_kernels.layer_ops_available(x):
+        if cpu_kernels.layer_ops_available(x, self.weight):
             if residual is None:
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)

@@ -32,19 +32,15 @@ import torch
 
 from brisk.config import ConfigError
 from brisk.llm import LLM
-from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
-from brisk.quant.kv_cache import KVCacheLayer
-from brisk.sampling_params import SamplingParams
+from brisk.model.sequences import forward_sequences, packs
 from brisk.spec.medusa import HeadAccuracy, MedusaHeads
-from brisk.spec.prompts import PROMPTS
+from brisk.spec.prompts import PROMPTS, Transcript, answer_prompts, training_prompts
 
 TOP_K_SCORED = 10  # HeadAccuracy keeps top-1 .. top-10 per head
 _TEACHER_TOKENS = 32  # the teacher's most likely tokens kept per position (soft targets)
 _TOKENS_PER_FORWARD = 2048  # sequences are packed into forwards of about this many tokens
-_BLOCK_SIZE = 16  # of the scratch KV cache
 _ROWS_PER_CHUNK = 256  # positions per LM-head call outside training
-_TOP_P = 0.9  # with temperature: brisk's own default (BRISK_DEFAULTS)
 HOLDOUT = 0.1  # of the answers, kept out of training for the accuracy table
 
 
@@ -60,6 +56,11 @@ class MedusaTrainConfig:
     num_prompts: int | None = _knob(None, "Prompts the model answers (taken round-robin over the categories of "
                                           "brisk/spec/prompts.py); default: all of them.")
     max_new_tokens: int = _knob(256, "Longest answer the model writes to each prompt, in tokens.")
+    # Heads trained on greedy answers guessed as well or better on held-out answers of both
+    # kinds (head 0 top-1 on answers sampled at 0.7: 23% against 20% for heads trained on sampled
+    # answers), and adding sampled answers to the greedy ones (twice the data) changed nothing
+    # measurable. In a greedy answer every token is the model's argmax, so head k's target is a
+    # function of the context it reads; in a sampled one, the k tokens in between are draws.
     temperature: float = _knob(0.0, "Temperature of the model's answers (0: greedy, which trained the better heads "
                                     "for greedy and sampled decoding alike).")
     steps: int = _knob(300, "AdamW steps.")
@@ -82,14 +83,6 @@ class MedusaTrainConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
-
-
-@dataclass(frozen=True)
-class Transcript:
-    """A prompt rendered with the chat template and the model's answer to it."""
-
-    token_ids: list[int]
-    prompt_len: int
 
 
 @dataclass(eq=False)
@@ -168,44 +161,13 @@ class MedusaReport:
         return "\n".join(lines)
 
 
-def training_prompts(count: int | None) -> list[str]:
-    """The first `count` prompts, taken round-robin over the categories so any count mixes them."""
-    columns = list(PROMPTS.values())
-    ordered = [column[i] for i in range(max(map(len, columns))) for column in columns if i < len(column)]
-    return ordered[:count]
-
-
-def generate(llm: LLM, prompts: list[str], config: MedusaTrainConfig, progress: bool = False) -> list[Transcript]:
-    """The model's answers, each with its rendered prompt.
-
-    Greedy (temperature 0) by default, for heads that serve greedy and sampled decoding alike:
-    heads trained on greedy answers guessed as well or better on held-out answers of both kinds
-    (head 0 top-1 on answers sampled at 0.7: 23% against 20% for heads trained on sampled
-    answers), and adding sampled answers to the greedy ones (twice the data) changed nothing
-    measurable. In a greedy answer every token is the model's argmax, so head k's target is a
-    function of the context it reads; in a sampled one, the k tokens in between are draws it
-    cannot know.
-    """
-    params = SamplingParams(temperature=config.temperature, top_p=_TOP_P if config.temperature > 0 else 1.0,
-                            max_tokens=config.max_new_tokens)
-    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)
-    return [Transcript(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids)) for o in outputs]
-
-
 @torch.no_grad()
 def compute_features(model: LlamaForCausalLM, sequences: list[Transcript]) -> Features:
-    """Runs each pack of sequences as one prefill (a span per sequence) over a scratch KV cache;
-    keeps the hidden states and the teacher's top tokens at every position."""
-    device, spec = model.norm.weight.device, model.spec
-    packs = _packs([len(s.token_ids) for s in sequences])
-    blocks = max(sum(_blocks(len(sequences[i].token_ids)) for i in pack) for pack in packs)
-    kind = str(model.norm.weight.dtype).removeprefix("torch.")
-    caches = [KVCacheLayer.allocate(kind, blocks, spec.num_kv_heads, _BLOCK_SIZE, spec.head_dim, device)
-              for _ in range(spec.num_layers)]
+    """Runs each pack of sequences as one forward; keeps the hidden states and the teacher's top
+    tokens at every position."""
     hidden, ids, probs = [], [], []
-    for pack in packs:
-        input_ids, positions, meta = _prefill_batch([sequences[i].token_ids for i in pack], device)
-        states = model(input_ids, positions, caches, meta)
+    for pack in packs([len(s.token_ids) for s in sequences], _TOKENS_PER_FORWARD):
+        states = forward_sequences(model, [sequences[i].token_ids for i in pack])
         hidden.append(states)
         for rows in states.split(_ROWS_PER_CHUNK):
             top = torch.softmax(model.compute_logits(rows), dim=-1).topk(_TEACHER_TOKENS, dim=-1)
@@ -215,41 +177,6 @@ def compute_features(model: LlamaForCausalLM, sequences: list[Transcript]) -> Fe
     for sequence in sequences[:-1]:  # packs keep the sequences' order
         starts.append(starts[-1] + len(sequence.token_ids))
     return Features(torch.cat(hidden), torch.cat(ids), torch.cat(probs), starts, sequences)
-
-
-def _blocks(length: int) -> int:
-    return -(-length // _BLOCK_SIZE)
-
-
-def _packs(lengths: list[int]) -> list[list[int]]:
-    """Sequence indices grouped, in order, into packs of about _TOKENS_PER_FORWARD tokens."""
-    packs, size = [[]], 0
-    for i, n in enumerate(lengths):
-        if packs[-1] and size + n > _TOKENS_PER_FORWARD:
-            packs.append([])
-            size = 0
-        packs[-1].append(i)
-        size += n
-    return packs
-
-
-def _prefill_batch(token_lists: list[list[int]], device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Whole sequences as fresh prefill spans, each over its own run of scratch blocks."""
-    ids, positions, slot_blocks, spans = [], [], [], []
-    row, first_block = 0, 0
-    for tokens in token_lists:
-        n, count = len(tokens), _blocks(len(tokens))
-        table = torch.arange(first_block, first_block + count, device=device)
-        ids.extend(tokens)
-        positions.extend(range(n))
-        slot_blocks.extend(first_block + p // _BLOCK_SIZE for p in range(n))
-        spans.append(PrefillSpan(row, row + n, n, table))
-        row, first_block = row + n, first_block + count
-    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-    meta = AttentionMetadata(slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
-                             slot_offsets=positions_t % _BLOCK_SIZE, prefills=spans)
-    return torch.tensor(ids, dtype=torch.long, device=device), positions_t, meta
 
 
 def _targets(anchors: torch.Tensor, limits: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +260,7 @@ def train_medusa(model: str | None, config: MedusaTrainConfig, log: Callable[[st
     prompts = training_prompts(config.num_prompts)
     log(f"generating answers to {len(prompts)} prompts ({config.max_new_tokens} new tokens at most, "
         f"temperature {config.temperature})")
-    sequences = generate(llm, prompts, config, progress)
+    sequences = answer_prompts(llm, prompts, config.temperature, config.max_new_tokens, progress)
     generate_s, clock = time.perf_counter() - clock, time.perf_counter()
     features = compute_features(engine.model, sequences)
     features_s = time.perf_counter() - clock

@@ -1,4 +1,5 @@
-"""Prompts the model answers itself to make Medusa training data (self-distillation).
+"""Prompts the model answers itself, for training on its own writing: Medusa heads and
+distilled students (self-distillation).
 
 Written for brisk in the style of MT-Bench's eight categories, plus everyday chat, so heads
 see the kinds of answers a chat model writes: prose, dialogue, step-by-step reasoning,
@@ -7,6 +8,16 @@ data file so they travel with the package and nothing is downloaded.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from brisk.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from brisk.llm import LLM
+
+_TOP_P = 0.9  # with temperature: brisk's own default (BRISK_DEFAULTS)
 
 PROMPTS: dict[str, tuple[str, ...]] = {
     "writing": (
@@ -150,3 +161,28 @@ PROMPTS: dict[str, tuple[str, ...]] = {
         "How do I politely say no when someone asks me for a favor?",
     ),
 }
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """A prompt rendered with the chat template and the model's answer to it."""
+
+    token_ids: list[int]
+    prompt_len: int
+
+
+def training_prompts(count: int | None) -> list[str]:
+    """The first `count` prompts, taken round-robin over the categories so any count mixes them."""
+    columns = list(PROMPTS.values())
+    ordered = [column[i] for i in range(max(map(len, columns))) for column in columns if i < len(column)]
+    return ordered[:count]
+
+
+def answer_prompts(llm: LLM, prompts: list[str], temperature: float, max_new_tokens: int,
+                   progress: bool = False) -> list[Transcript]:
+    """The model's answers (greedy at temperature 0), each with its rendered prompt, written by
+    brisk's engine with continuous batching."""
+    params = SamplingParams(temperature=temperature, top_p=_TOP_P if temperature > 0 else 1.0,
+                            max_tokens=max_new_tokens)
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=progress)
+    return [Transcript(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids)) for o in outputs]

@@ -20,7 +20,8 @@ from brisk.config import ConfigError
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.spec.medusa import CONFIG_FILE, HeadAccuracy, MedusaHeads, MedusaModelMismatch
 from brisk.spec.medusa_drafter import TreeNode, candidate_tree
-from brisk.spec.medusa_train import Features, MedusaTrainConfig, Transcript, _targets, train_medusa
+from brisk.spec.medusa_train import Features, MedusaTrainConfig, _targets, train_medusa
+from brisk.spec.prompts import Transcript
 from tests.conftest import assert_no_leaks, build_tiny_checkpoint
 
 # One untied and one tied LM head: both are what `compute_logits` multiplies by.

@@ -1,0 +1,356 @@
+"""`brisk distill`: train a student made of some of the teacher's layers to follow it.
+
+The loss at every position of a batch of sequences is
+
+    kd_weight * T^2 * KL(p_T || q_T)  +  (1 - kd_weight) * CE(q, next token)
+
+where p_T is the teacher's distribution (its TOP_K tokens, renormalized, at temperature T) and
+q_T the student's over the whole vocabulary. The KL term teaches the teacher's preferences among
+likely tokens, which is what top-1 agreement and draft acceptance measure; the cross-entropy
+keeps the student honest on the text itself. T^2 keeps the KL's gradient the same size whatever
+T (Hinton et al.).
+
+The student is brisk's own LlamaForCausalLM under torch autograd (the C kernels step aside when
+a gradient is wanted), trained with AdamW, a linear warmup and a cosine decay, and gradient
+clipping. The embedding, tied to the LM head on the default model, stays frozen by default: the
+student's last hidden state must land in the teacher's output space anyway, and the frozen head
+saves a fifth of each step. A run under a time budget times its first steps, then fixes its step
+count, so the schedule decays fully within the budget and a rerun with `--steps` set to that
+count repeats it exactly. Every few minutes the run saves its state and the student folder, and
+an interrupted run picks up where it stopped when started again with the same --out.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from brisk.config import ConfigError
+from brisk.distill import data as teacher_data
+from brisk.distill.student import choose_layers, write_student
+from brisk.llm import LLM
+from brisk.model.llama import LlamaForCausalLM
+from brisk.model.loader import Checkpoint, load_model, open_checkpoint
+from brisk.model.sequences import forward_sequences
+from brisk.quant.checkpoint import save_weights
+
+STATE_DIR = "distill"  # inside the student folder: the run's state and data
+_TIMED_STEPS = 3  # a budgeted run times this many steps, after a first one (allocations, warm caches: 2x slower)
+_CHOICE_SEQUENCES = 4  # training sequences that score each candidate choice of layers
+
+
+def _knob(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """One distillation run; each field is a `brisk distill` flag."""
+
+    layers: int | None = _knob(None, "Teacher layers the student keeps (required): the first and last, and the rest "
+                                     "but one contiguous block, the one whose loss hurts least (distill/student.py).")
+    budget_minutes: float | None = _knob(30.0, "Training time; the step count is fixed from the first steps' pace. "
+                                               "Making the data is not counted (it is timed apart).")
+    steps: int | None = _knob(None, "Training steps, instead of a time budget (a run repeats exactly with the same "
+                                    "steps and seed).")
+    batch_size: int = _knob(4, "Sequences per step.")
+    seq_len: int = _knob(256, "Tokens per corpus window; longer answers are cut to it.")
+    lr: float = _knob(3e-4, "Peak learning rate of AdamW.")
+    warmup_steps: int = _knob(20, "Steps of linear warmup before the cosine decay.")
+    weight_decay: float = _knob(0.01, "AdamW's decoupled weight decay.")
+    max_grad_norm: float = _knob(1.0, "Gradient clipping by global norm.")
+    kd_weight: float = _knob(0.8, "Weight of the KL term; the next-token cross-entropy gets 1 - kd_weight.")
+    kd_temperature: float = _knob(1.0, "Temperature of both distributions in the KL term.")
+    top_k: int = _knob(64, "Teacher tokens kept per position as soft targets.")
+    train_embeddings: bool = _knob(False, "Also train the embedding (the LM head too, when tied).")
+    chat_fraction: float = _knob(0.3, "Share of each batch drawn from the teacher's answers (the rest: the corpus).")
+    num_prompts: int | None = _knob(None, "Prompts the teacher answers (brisk/spec/prompts.py); default: all.")
+    max_new_tokens: int = _knob(256, "Longest answer the teacher writes, in tokens.")
+    corpus: str | None = _knob(None, "A UTF-8 text file; default: Pride and Prejudice (make install).")
+    heldout_fraction: float = _knob(0.05, "Share of the corpus (its end) and of the answers held out for eval.")
+    teacher_data: str | None = _knob(None, "The data file of an earlier run (OUT/distill/data.pt) to reuse instead of "
+                                           "making it again: same teacher, same data settings.")
+    checkpoint_minutes: float = _knob(5.0, "Minutes between saves of the run's state and the student folder.")
+    seed: int = _knob(0, "Seed of the data split and the batches.")
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("layers", self.layers is not None and self.layers >= 1, "is required and must be >= 1"),
+            ("budget_minutes", self.budget_minutes is None or self.budget_minutes > 0, "must be > 0"),
+            ("steps", self.steps is None or self.steps >= 1, "must be >= 1"),
+            ("steps", self.steps is not None or self.budget_minutes is not None, "or --budget-minutes is needed"),
+            ("batch_size", self.batch_size >= 1, "must be >= 1"),
+            ("seq_len", self.seq_len >= 8, "must be >= 8"),
+            ("lr", 0 < self.lr < 1, "must be in (0, 1)"),
+            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+            ("max_grad_norm", self.max_grad_norm > 0, "must be > 0"),
+            ("kd_weight", 0 <= self.kd_weight <= 1, "must be in [0, 1]"),
+            ("kd_temperature", self.kd_temperature > 0, "must be > 0"),
+            ("top_k", self.top_k >= 1, "must be >= 1"),
+            ("chat_fraction", 0 <= self.chat_fraction <= 1, "must be in [0, 1]"),
+            ("num_prompts", self.num_prompts is None or self.num_prompts >= 2, "must be >= 2"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("heldout_fraction", 0 < self.heldout_fraction < 0.5, "must be in (0, 0.5)"),
+            ("checkpoint_minutes", self.checkpoint_minutes > 0, "must be > 0"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(self, name)!r}")
+
+    def data_config(self) -> teacher_data.DataConfig:
+        return teacher_data.DataConfig(self.seq_len, self.top_k, self.num_prompts, self.max_new_tokens,
+                                       self.corpus or str(teacher_data.DEFAULT_CORPUS), self.heldout_fraction,
+                                       self.seed)
+
+
+@dataclass
+class RunState:
+    """What a resumed run needs besides the student's weights."""
+
+    layers: list[int]  # the teacher's, in the student
+    step: int
+    total_steps: int | None  # None until a budgeted run has timed its first steps
+    losses: list[tuple[float, float, float]]  # (total, KL, CE) of every step
+    train_seconds: float
+
+
+@dataclass(frozen=True)
+class DistillReport:
+    layers: list[int]
+    parameters: int  # the student's
+    teacher_parameters: int
+    state: RunState
+    data_seconds: float
+    corpus_tokens: int
+    answer_tokens: int
+
+    def summary(self) -> str:
+        losses = self.state.losses
+        first, tail = losses[0], losses[-max(1, len(losses) // 10):]
+        mean = [sum(v[i] for v in tail) / len(tail) for i in range(3)]
+        return "\n".join([
+            f"student: teacher layers {self.layers}; {self.parameters / 1e6:.1f}M parameters "
+            f"(teacher {self.teacher_parameters / 1e6:.1f}M)",
+            f"data: {self.corpus_tokens} corpus + {self.answer_tokens} answer tokens, made (and the layers chosen) in {self.data_seconds:.0f} s",
+            f"training: {self.state.step} steps in {self.state.train_seconds / 60:.1f} min; loss (KL, CE) "
+            f"{first[0]:.3f} ({first[1]:.3f}, {first[2]:.3f}) at the first step, "
+            f"{mean[0]:.3f} ({mean[1]:.3f}, {mean[2]:.3f}) over the last tenth"])
+
+
+def distillation_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                      next_ids: torch.Tensor, kd_weight: float, temperature: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, KL, CE), each a mean over the rows. logits [N, V] the student's; top_ids and
+    top_logprobs [N, k] the teacher's; next_ids [N] the text's next tokens."""
+    teacher = torch.softmax(top_logprobs / temperature, dim=-1)  # renormalized over the k kept
+    log_q = torch.log_softmax(logits / temperature, dim=-1).gather(-1, top_ids)
+    kl = (torch.xlogy(teacher, teacher) - teacher * log_q).sum(-1).mean() * temperature ** 2
+    ce = F.cross_entropy(logits, next_ids)
+    return kd_weight * kl + (1 - kd_weight) * ce, kl, ce
+
+
+class Trainer:
+    """The student, its optimizer and schedule, and the batches it draws from the data."""
+
+    def __init__(self, student: LlamaForCausalLM, data: teacher_data.TeacherData, config: DistillConfig):
+        self.student, self.data, self.config = student, data, config
+        student.requires_grad_(True)
+        if not config.train_embeddings:
+            student.embed_tokens.weight.requires_grad_(False)
+        self.params = [p for p in student.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.state = RunState([], 0, config.steps, [], 0.0)
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warmup, then a cosine decay to zero at the last step (full peak while the step
+        count of a budgeted run is still unknown)."""
+        warmup = self.config.warmup_steps
+        if step < warmup:
+            return self.config.lr * (step + 1) / warmup
+        total = self.state.total_steps
+        if total is None:
+            return self.config.lr
+        progress = (step - warmup) / max(1, total - warmup)
+        return self.config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    def batch(self) -> list[int]:
+        """Indices of this step's sequences: each an answer with probability chat_fraction
+        (when there are answers), else a corpus window."""
+        data, g = self.data, self.generator
+        answers = len(data.sequences) - data.num_corpus
+        picks = []
+        for _ in range(self.config.batch_size):
+            chat = answers > 0 and (data.num_corpus == 0 or torch.rand((), generator=g) < self.config.chat_fraction)
+            pool, offset = (answers, data.num_corpus) if chat else (data.num_corpus, 0)
+            picks.append(offset + int(torch.randint(pool, (), generator=g)))
+        return picks
+
+    def step(self) -> tuple[float, float, float]:
+        """One AdamW step on one batch: (loss, KL, CE)."""
+        data, config = self.data, self.config
+        picks = self.batch()
+        sequences = [data.sequences[i] for i in picks]
+        hidden = forward_sequences(self.student, sequences)
+        rows, targets, next_ids, start = [], [], [], 0
+        for i, sequence in zip(picks, sequences):
+            n = len(sequence) - 1  # the last position has no next token in the text
+            rows.append(torch.arange(start, start + n))
+            targets.append(torch.arange(data.starts[i], data.starts[i] + n))
+            next_ids.extend(sequence[1:])
+            start += len(sequence)
+        rows_t, targets_t = torch.cat(rows), torch.cat(targets)
+        logits = self.student.compute_logits(hidden[rows_t])
+        loss, kl, ce = distillation_loss(logits, data.top_ids[targets_t], data.top_logprobs[targets_t],
+                                         torch.tensor(next_ids), config.kd_weight, config.kd_temperature)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.state.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm)
+        self.optimizer.step()
+        self.state.step += 1
+        values = (loss.item(), kl.item(), ce.item())
+        self.state.losses.append(values)
+        return values
+
+    def save(self, path: str) -> None:
+        """The run's state (weights, optimizer, batch generator, losses), written atomically."""
+        torch.save({"config": asdict(self.config), "model": self.student.state_dict(),
+                    "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
+                    "state": asdict(self.state)}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def restore(self, path: str) -> None:
+        saved = torch.load(path, weights_only=True)
+        ours, theirs = asdict(self.config), saved["config"]
+        changed = [k for k in ours if k not in ("budget_minutes", "checkpoint_minutes") and ours[k] != theirs[k]]
+        if changed:
+            raise ConfigError(f"{path} is a run with other settings ({', '.join(f'{k}={theirs[k]!r}' for k in changed)}):"
+                              f" resume with the same ones, or choose a new --out")
+        self.student.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.generator.set_state(saved["generator"])
+        state = saved["state"]
+        self.state = RunState(state["layers"], state["step"], state["total_steps"],
+                              [tuple(v) for v in state["losses"]], state["train_seconds"])
+
+
+def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[str], None] = lambda _: None,
+            progress: bool = False) -> DistillReport:
+    """The whole run: the student folder at `out` (and its state under out/distill/)."""
+    state_dir = os.path.join(out, STATE_DIR)
+    state_path, data_path = os.path.join(state_dir, "state.pt"), os.path.join(state_dir, "data.pt")
+    resuming = os.path.exists(state_path)
+    if os.path.exists(out) and not resuming and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ConfigError(f"--out {out!r} exists and holds no run to resume: choose a new or empty folder")
+    teacher = open_checkpoint(model)
+    if teacher.layout is not None:
+        raise ConfigError(f"{teacher.path} is a `brisk quantize` folder ({teacher.layout}): distill from the float "
+                          f"checkpoint it came from")
+    if config.layers > teacher.spec.num_layers:
+        raise ConfigError(f"--layers {config.layers}: the teacher has {teacher.spec.num_layers} layers")
+    corpus = config.data_config().corpus
+    if config.teacher_data is None and not resuming and not os.path.exists(corpus):
+        raise ConfigError(f"no text at {corpus}: run `make install` (it fetches Pride and Prejudice) or pass --corpus")
+
+    clock = time.perf_counter()
+    if resuming:
+        data = teacher_data.TeacherData.load(data_path)
+        log(f"resuming the run in {out}")
+    else:
+        data, model = _data(teacher, config, log, progress)
+        layers = choose_layers(model, config.layers, lambda student: _sample_loss(student, data))
+        os.makedirs(state_dir, exist_ok=True)
+        data.save(data_path)
+        write_student(model, layers, teacher.tokenizer, out)
+        del model
+    data_seconds = time.perf_counter() - clock
+
+    student = load_model(open_checkpoint(out), torch.float32, torch.device("cpu"), max_len=config.seq_len)
+    trainer = Trainer(student, data, config)
+    if resuming:
+        trainer.restore(state_path)
+    else:
+        trainer.state.layers = layers
+    layers = trainer.state.layers
+    log(f"student: teacher layers {layers}, {sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters, "
+        f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M trained")
+    _train(trainer, config, lambda: (trainer.save(state_path), _write_weights(student, out)), log, progress)
+    parameters = sum(p.numel() for p in student.parameters())
+    per_layer = sum(p.numel() for p in student.layers[0].parameters())
+    return DistillReport(layers, parameters, parameters + (teacher.spec.num_layers - len(layers)) * per_layer,
+                         trainer.state, data_seconds, data.corpus_tokens, data.answer_tokens)
+
+
+def _data(teacher: Checkpoint, config: DistillConfig, log, progress: bool
+          ) -> tuple[teacher_data.TeacherData, LlamaForCausalLM]:
+    """The teacher's data, made now or read from --teacher-data after checking it fits; and the
+    teacher's float model."""
+    wanted = config.data_config()
+    if config.teacher_data is not None:
+        data = teacher_data.TeacherData.load(config.teacher_data)
+        if data.teacher != teacher.path or data.config != wanted:
+            raise ConfigError(f"--teacher-data {config.teacher_data} was made for {data.teacher} with {data.config}; "
+                              f"this run wants {teacher.path} with {wanted}")
+        return data, load_model(teacher, torch.float32, torch.device("cpu"), max_len=config.seq_len)
+    llm = LLM(teacher.path, dtype="float32", seed=config.seed, max_num_batched_tokens=1024)
+    return teacher_data.build(llm, wanted, log, progress), llm.engine.model
+
+
+@torch.no_grad()
+def _sample_loss(student: LlamaForCausalLM, data: teacher_data.TeacherData) -> float:
+    """The KL term on the first few training sequences: how far a candidate student starts from
+    the teacher (choose_layers)."""
+    picks = list(range(min(_CHOICE_SEQUENCES, len(data.sequences))))
+    hidden = forward_sequences(student, [data.sequences[i] for i in picks])
+    positions = torch.arange(len(hidden))
+    logits = student.compute_logits(hidden)
+    _, kl, _ = distillation_loss(logits, data.top_ids[positions], data.top_logprobs[positions],
+                                 data.top_ids[positions, 0], 1.0, 1.0)
+    return kl.item()
+
+
+def _train(trainer: Trainer, config: DistillConfig, save: Callable[[], None], log, progress: bool) -> None:
+    """Steps until the step count (fixed from the first steps' pace under a budget), saving every
+    checkpoint_minutes and when it stops, finished or not."""
+    from tqdm import tqdm
+
+    state = trainer.state
+    bar = tqdm(total=state.total_steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
+    last_save, first_step = time.perf_counter(), 0.0
+    try:
+        while state.total_steps is None or state.step < state.total_steps:
+            clock = time.perf_counter()
+            loss, kl, ce = trainer.step()
+            state.train_seconds += time.perf_counter() - clock
+            if state.step == 1:
+                first_step = state.train_seconds
+            if state.total_steps is None and state.step >= _TIMED_STEPS + 1:
+                pace = (state.train_seconds - first_step) / (state.step - 1)
+                state.total_steps = max(state.step, int(config.budget_minutes * 60 / pace))
+                bar.reset(total=state.total_steps)
+                bar.update(state.step)
+                log(f"{pace:.1f} s a step: {state.total_steps} steps fit {config.budget_minutes:g} minutes")
+            else:
+                bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", kl=f"{kl:.3f}", ce=f"{ce:.3f}",
+                            lr=f"{trainer.learning_rate(state.step):.1e}")
+            if time.perf_counter() - last_save > config.checkpoint_minutes * 60:
+                save()
+                last_save = time.perf_counter()
+    finally:  # Ctrl-C included: the next run with the same --out resumes from here
+        bar.close()
+        save()
+
+
+def _write_weights(student: LlamaForCausalLM, out: str) -> None:
+    """The student's current weights into its folder (config and tokenizer are already there)."""
+    save_weights(os.path.join(out, "model.safetensors"), student.hf_weights())
