@@ -88,7 +88,8 @@ def build(llm: LLM, config: DataConfig, log: Callable[[str], None] = lambda _: N
     tokenizer = llm.tokenizer
     text = tokenizer.encode(Path(config.corpus).read_text(encoding="utf-8"), add_special_tokens=False)
     cut = len(text) - round(config.heldout_fraction * len(text))
-    windows = [text[i:i + config.seq_len] for i in range(0, cut - 1, config.seq_len)]
+    train_text, heldout_text = text[:cut], text[cut:]
+    windows = [train_text[i:i + config.seq_len] for i in range(0, cut - 1, config.seq_len)]
     windows = [w for w in windows if len(w) >= 2]
 
     prompts = training_prompts(config.num_prompts)
@@ -106,7 +107,7 @@ def build(llm: LLM, config: DataConfig, log: Callable[[str], None] = lambda _: N
     starts = [0]
     for sequence in sequences[:-1]:
         starts.append(starts[-1] + len(sequence))
-    return TeacherData(config, sequences, len(windows), starts, top_ids, top_logprobs, text[cut:],
+    return TeacherData(config, sequences, len(windows), starts, top_ids, top_logprobs, heldout_text,
                        [answers[i] for i in sorted(held)], llm.engine.checkpoint.path)
 
 

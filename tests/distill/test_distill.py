@@ -185,3 +185,13 @@ def test_eval_reports_teacher_and_student_side_by_side(trained, capsys):
     assert [teacher[1].strip(), student[1].strip()] == ["4", "2"]  # layers
     assert teacher[5].strip() == "100.0%" and float(student[5].strip().rstrip("%")) < 100  # agreement on text
     assert float(student[4]) > 1  # a perplexity
+
+
+def test_no_training_window_reaches_into_the_held_out_text(teacher_dir, corpus, trained):
+    data = TeacherData.load(os.path.join(trained, STATE_DIR, "data.pt"))
+    with open(corpus) as f:
+        tokens = open_checkpoint(teacher_dir).tokenizer.encode(f.read(), add_special_tokens=False)
+    trained_on = [t for window in data.sequences[:data.num_corpus] for t in window]
+    assert trained_on == tokens[:len(trained_on)]  # the windows, in order, from the start
+    assert data.heldout_text == tokens[len(tokens) - len(data.heldout_text):]  # the end
+    assert len(trained_on) + len(data.heldout_text) <= len(tokens)  # and the two do not overlap
