@@ -36,7 +36,7 @@ class Row:
     parameters: int
     weight_bytes: int
     perplexity: float
-    text_agreement: float  # None for the teacher (1 by definition)
+    text_agreement: float  # share of positions where the greedy token is the teacher's
     answer_agreement: float
     single: list[float]  # decode tok/s of each round
     batched: list[float]  # output tok/s of each round
