@@ -93,10 +93,12 @@ def main(args) -> None:
           f"{config.dtype}, quantization {config.quantization or 'none'}, {torch.get_num_threads()} threads; speed: "
           f"{args.decode_len} tokens, single stream and {args.batch} at once, median of {args.rounds} rounds")
     print("\n| model | layers | parameters | weights read per step | perplexity | top-1 agreement, text | "
-          "top-1 agreement, answers | single-stream tok/s | vs teacher | batched tok/s | vs teacher |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "top-1 agreement, answers | single-stream tok/s | vs teacher | batched tok/s | vs teacher "
+          "| single stream, every round |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in rows.values():
         single, batched = statistics.median(row.single), statistics.median(row.batched)
         print(f"| {row.name} | {row.layers} | {row.parameters / 1e6:.1f}M | {row.weight_bytes / 1e6:.0f} MB "
               f"| {row.perplexity:.2f} | {row.text_agreement:.1%} | {row.answer_agreement:.1%} | {single:.1f} "
-              f"| {single / single_t:.2f}x | {batched:.1f} | {batched / batched_t:.2f}x |")
+              f"| {single / single_t:.2f}x | {batched:.1f} | {batched / batched_t:.2f}x "
+              f"| {', '.join(f'{v:.1f}' for v in row.single)} |")
