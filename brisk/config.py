@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _knob(default, help: str, **kwargs):
+def knob(default, help: str, **kwargs):
+    """A config field with its command-line help (brisk/args.py makes the flag)."""
     return field(default=default, metadata={"help": help}, **kwargs)
 
 
@@ -119,48 +120,48 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = _knob(
+    model: str | None = knob(
         None, "Local Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)."
     )
-    dtype: str = _knob("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto: bfloat16 "
+    dtype: str = knob("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto: bfloat16 "
                                 "on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX), float32 elsewhere.")
-    quantization: str | None = _knob(
+    quantization: str | None = knob(
         None, "Run the weights in fewer bits: int8 (per channel), fp8 (e4m3, per channel), int4 (groups with "
               "zero points), nf4 (normal-float groups), or gguf (a GGUF file's own values: Q8_0 blocks as stored, "
               "Q4_0/Q4_1 repacked bit for bit into int4), or w8a8 (int8 with --int8-activations). The embedding "
               "table and LM head get 8 bits. Default: the weights in --dtype.")
-    quantization_group_size: int = _knob(
+    quantization_group_size: int = knob(
         32, "Columns per scale of int4 and nf4: 32, 64 or 128 (perplexity of the default model: +0.05%, +30%, +50%).")
-    int8_activations: bool = _knob(
+    int8_activations: bool = knob(
         False, "With int8, int4 or gguf weights: round each decode step's activations to int8 per block of 32 "
                "and multiply in integers (as llama.cpp does); faster, no longer exact to the weights.")
-    device: str = _knob("auto", "Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
-    max_model_len: int | None = _knob(
+    device: str = knob("auto", "Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    max_model_len: int | None = knob(
         None, "Longest prompt + completion in tokens; default: the model's context length."
     )
-    block_size: int = _knob(16, "Tokens per KV cache block.")
-    kv_cache_memory_gib: float = _knob(1.0, "Memory budget of the KV cache in GiB.")
-    kv_cache_dtype: str = _knob(
+    block_size: int = knob(16, "Tokens per KV cache block.")
+    kv_cache_memory_gib: float = knob(1.0, "Memory budget of the KV cache in GiB.")
+    kv_cache_dtype: str = knob(
         "auto", "How K and V are stored: auto (the model's dtype), float32, bfloat16, float16, or int8 (a scale per "
                 "token and head: 3.8x fewer bytes than float32 for a head dim of 64, so 3.8x more tokens fit).")
-    num_kv_blocks: int | None = _knob(
+    num_kv_blocks: int | None = knob(
         None, "Exact number of KV blocks, overriding kv_cache_memory_gib (for tests and tuning)."
     )
-    max_num_seqs: int = _knob(64, "Most sequences in one batch.")
+    max_num_seqs: int = knob(64, "Most sequences in one batch.")
     # 256 on CPU keeps a step near 0.6 s (a short request waits at most about two steps for its
     # first token behind a long prompt); offline throughput runs favour larger steps (bench: 1024).
-    max_num_batched_tokens: int = _knob(
+    max_num_batched_tokens: int = knob(
         256, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in).")
-    attention_cost_context: int = _knob(  # fitted with `brisk bench fairness --calibrate` (BENCHMARKS.md)
+    attention_cost_context: int = knob(  # fitted with `brisk bench fairness --calibrate` (BENCHMARKS.md)
         1500, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
-    enable_chunked_prefill: bool = _knob(True, "Split long prompts across steps so decodes keep flowing.")
-    enable_prefix_caching: bool = _knob(True, "Reuse KV blocks of prompts that share a prefix.")
-    speculative_config: SpeculativeConfig | None = _knob(
+    enable_chunked_prefill: bool = knob(True, "Split long prompts across steps so decodes keep flowing.")
+    enable_prefix_caching: bool = knob(True, "Reuse KV blocks of prompts that share a prefix.")
+    speculative_config: SpeculativeConfig | None = knob(
         None, 'Speculative decoding as JSON, in vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup); default: off.')
-    seed: int = _knob(0, "Seed of the generator that gives each request without a seed its own.")
-    num_threads: int | None = _knob(None, "CPU threads for torch; default: all cores.")
+    seed: int = knob(0, "Seed of the generator that gives each request without a seed its own.")
+    num_threads: int | None = knob(None, "CPU threads for torch; default: all cores.")
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -217,33 +218,33 @@ class EngineConfig:
 class ServerConfig:
     """The HTTP front end: where it listens, who may call it, and how much work it accepts."""
 
-    host: str = _knob("127.0.0.1", "Address to listen on.")
-    port: int = _knob(8000, "Port to listen on.")
-    api_key: str | None = _knob(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
-    admin_api_key: str | None = _knob(
+    host: str = knob("127.0.0.1", "Address to listen on.")
+    port: int = knob(8000, "Port to listen on.")
+    api_key: str | None = knob(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
+    admin_api_key: str | None = knob(
         None, "Key for admin routes (DELETE /v1/cache); default: api_key. Without either key they are open.")
-    served_model_name: list[str] | None = _knob(
+    served_model_name: list[str] | None = knob(
         None, "Model id in the API, or several: the first is the id responses report, and requests naming any "
               "of them are served (aliases); default: the checkpoint's file name.")
-    max_waiting_seqs: int | None = _knob(
+    max_waiting_seqs: int | None = knob(
         None, "Sequences (n counts n) that may wait for a batch slot before new requests get 429; "
               "default: 8 x max_num_seqs.")
-    max_waiting_tokens: int | None = _knob(
+    max_waiting_tokens: int | None = knob(
         None, "Prompt tokens (each sequence counted) that may wait before new requests get 429; "
               "default: 32 x max_model_len.")
-    max_request_body_mb: float = _knob(16.0, "Largest request body accepted, in MiB; larger ones get 413.")
-    shutdown_grace_seconds: float = _knob(
+    max_request_body_mb: float = knob(16.0, "Largest request body accepted, in MiB; larger ones get 413.")
+    shutdown_grace_seconds: float = knob(
         30.0, "On SIGTERM, how long running requests may finish before they are ended with finish_reason abort.")
-    log_level: str = _knob("info", "uvicorn log level: critical, error, warning, info, debug.")
+    log_level: str = knob("info", "uvicorn log level: critical, error, warning, info, debug.")
     # In-thread, the engine's step and the HTTP front end share one GIL; in a process each has its own.
-    engine_process: bool = _knob(
+    engine_process: bool = knob(
         True, "Run the engine (scheduler + model) in its own process, talking to the HTTP process over a socket, "
               "so the front end's Python work is off the engine's critical path (measured: 0.90x offline "
               "throughput with 32 streams, against 0.78x with the engine on a thread; BENCHMARKS.md).")
     # OpenMP reads OMP_WAIT_POLICY once, when torch loads, so it can be chosen only for a process started
     # afterwards: the engine process. On a machine with as many cores as engine threads, OpenMP threads
     # spinning between parallel regions hold cores the HTTP process (and a local load generator) need.
-    engine_omp_wait_policy: str | None = _knob(
+    engine_omp_wait_policy: str | None = knob(
         None, "OMP_WAIT_POLICY of the engine process: passive (idle OpenMP threads sleep, leaving the core to "
               "the HTTP process) or active (they spin, waking faster); default: the environment's. "
               "Needs --engine-process.")

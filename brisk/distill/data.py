@@ -117,10 +117,9 @@ def teacher_targets(model: LlamaForCausalLM, sequences: list[list[int]], top_k: 
     """[N, top_k] ids and log-probabilities of the model's most likely next tokens at every
     position of the sequences, concatenated in order."""
     ids, logprobs = [], []
-    for pack in packs([len(s) for s in sequences], _TOKENS_PER_FORWARD):
-        hidden = forward_sequences(model, [sequences[i] for i in pack])
-        for rows in hidden.split(_ROWS_PER_CHUNK):
-            top = torch.log_softmax(model.compute_logits(rows), dim=-1).topk(top_k, dim=-1)
+    for _, chunks in _logits(model, sequences):
+        for logits in chunks:
+            top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
             ids.append(top.indices)
             logprobs.append(top.values)
     return torch.cat(ids), torch.cat(logprobs)
@@ -130,8 +129,15 @@ def teacher_targets(model: LlamaForCausalLM, sequences: list[list[int]], top_k: 
 def greedy_tokens(model: LlamaForCausalLM, sequences: list[list[int]]) -> list[torch.Tensor]:
     """The model's argmax next token at every position of each sequence."""
     result = []
-    for pack in packs([len(s) for s in sequences], _TOKENS_PER_FORWARD):
-        hidden = forward_sequences(model, [sequences[i] for i in pack])
-        best = torch.cat([model.compute_logits(rows).argmax(-1) for rows in hidden.split(_ROWS_PER_CHUNK)])
+    for pack, chunks in _logits(model, sequences):
+        best = torch.cat([logits.argmax(-1) for logits in chunks])
         result.extend(best.split([len(sequences[i]) for i in pack]))
     return result
+
+
+def _logits(model: LlamaForCausalLM, sequences: list[list[int]]):
+    """For each pack of sequences (indices, in order): one forward, then its logits a chunk of
+    positions at a time, so no more than _ROWS_PER_CHUNK x vocabulary floats live at once."""
+    for pack in packs([len(s) for s in sequences], _TOKENS_PER_FORWARD):
+        hidden = forward_sequences(model, [sequences[i] for i in pack])
+        yield pack, (model.compute_logits(rows) for rows in hidden.split(_ROWS_PER_CHUNK))

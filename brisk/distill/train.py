@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from brisk.config import ConfigError
+from brisk.config import ConfigError, knob
 from brisk.distill import data as teacher_data
 from brisk.distill.student import choose_layers, write_student
 from brisk.llm import LLM
@@ -45,43 +45,40 @@ _TIMED_STEPS = 3  # a budgeted run times this many steps, after a first one (all
 _CHOICE_SEQUENCES = 4  # training sequences that score each candidate choice of layers
 
 
-def _knob(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class DistillConfig:
     """One distillation run; each field is a `brisk distill` flag."""
 
-    layers: int | None = _knob(None, "Teacher layers the student keeps (required): the first and last, and the rest "
+    layers: int | None = knob(None, "Teacher layers the student keeps (required): the first and last, and the rest "
                                      "but one contiguous block, the one whose loss hurts least (distill/student.py).")
-    budget_minutes: float | None = _knob(30.0, "Training time; the step count is fixed from the first steps' pace. "
+    budget_minutes: float | None = knob(30.0, "Training time; the step count is fixed from the first steps' pace. "
                                                "Making the data is not counted (it is timed apart).")
-    steps: int | None = _knob(None, "Training steps, instead of a time budget (a run repeats exactly with the same "
+    steps: int | None = knob(None, "Training steps, instead of a time budget (a run repeats exactly with the same "
                                     "steps and seed).")
-    batch_size: int = _knob(4, "Sequences per step.")
-    seq_len: int = _knob(256, "Tokens per corpus window; longer answers are cut to it.")
-    lr: float = _knob(3e-4, "Peak learning rate of AdamW.")
-    warmup_steps: int = _knob(20, "Steps of linear warmup before the cosine decay.")
-    weight_decay: float = _knob(0.01, "AdamW's decoupled weight decay.")
-    max_grad_norm: float = _knob(1.0, "Gradient clipping by global norm.")
-    kd_weight: float = _knob(0.8, "Weight of the KL term; the next-token cross-entropy gets 1 - kd_weight.")
-    kd_temperature: float = _knob(1.0, "Temperature of both distributions in the KL term.")
-    top_k: int = _knob(64, "Teacher tokens kept per position as soft targets.")
-    train_embeddings: bool = _knob(False, "Also train the embedding (the LM head too, when tied).")
-    chat_fraction: float = _knob(0.3, "Share of each batch drawn from the teacher's answers (the rest: the corpus).")
-    num_prompts: int | None = _knob(None, "Prompts the teacher answers (brisk/spec/prompts.py); default: all.")
-    max_new_tokens: int = _knob(256, "Longest answer the teacher writes, in tokens.")
-    corpus: str | None = _knob(None, "A UTF-8 text file; default: Pride and Prejudice (make install).")
-    heldout_fraction: float = _knob(0.05, "Share of the corpus (its end) and of the answers held out for eval.")
-    teacher_data: str | None = _knob(None, "The data file of an earlier run (OUT/distill/data.pt) to reuse instead of "
+    batch_size: int = knob(4, "Sequences per step.")
+    seq_len: int = knob(256, "Tokens per corpus window; longer answers are cut to it.")
+    lr: float = knob(3e-4, "Peak learning rate of AdamW.")
+    warmup_steps: int = knob(20, "Steps of linear warmup before the cosine decay.")
+    weight_decay: float = knob(0.01, "AdamW's decoupled weight decay.")
+    max_grad_norm: float = knob(1.0, "Gradient clipping by global norm.")
+    kd_weight: float = knob(0.8, "Weight of the KL term; the next-token cross-entropy gets 1 - kd_weight.")
+    kd_temperature: float = knob(1.0, "Temperature of both distributions in the KL term.")
+    top_k: int = knob(64, "Teacher tokens kept per position as soft targets.")
+    train_embeddings: bool = knob(False, "Also train the embedding (the LM head too, when tied).")
+    chat_fraction: float = knob(0.3, "Share of each batch drawn from the teacher's answers (the rest: the corpus).")
+    num_prompts: int | None = knob(None, "Prompts the teacher answers (brisk/spec/prompts.py); default: all.")
+    max_new_tokens: int = knob(256, "Longest answer the teacher writes, in tokens.")
+    corpus: str | None = knob(None, "A UTF-8 text file; default: Pride and Prejudice (make install).")
+    heldout_fraction: float = knob(0.05, "Share of the corpus (its end) and of the answers held out for eval.")
+    teacher_data: str | None = knob(None, "The data file of an earlier run (OUT/distill/data.pt) to reuse instead of "
                                            "making it again: same teacher, same data settings.")
-    checkpoint_minutes: float = _knob(5.0, "Minutes between saves of the run's state and the student folder.")
-    seed: int = _knob(0, "Seed of the data split and the batches.")
+    checkpoint_minutes: float = knob(5.0, "Minutes between saves of the run's state and the student folder.")
+    seed: int = knob(0, "Seed of the data split and the batches.")
 
     def __post_init__(self) -> None:
         checks = (
-            ("layers", self.layers is not None and self.layers >= 1, "is required and must be >= 1"),
+            ("layers", self.layers is not None and self.layers >= 2,
+             "is required and must be >= 2 (the first and the last layer are always kept)"),
             ("budget_minutes", self.budget_minutes is None or self.budget_minutes > 0, "must be > 0"),
             ("steps", self.steps is None or self.steps >= 1, "must be >= 1"),
             ("steps", self.steps is not None or self.budget_minutes is not None, "or --budget-minutes is needed"),

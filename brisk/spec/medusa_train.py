@@ -25,12 +25,12 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
 
-from brisk.config import ConfigError
+from brisk.config import ConfigError, knob
 from brisk.llm import LLM
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.sequences import forward_sequences, packs
@@ -44,29 +44,25 @@ _ROWS_PER_CHUNK = 256  # positions per LM-head call outside training
 HOLDOUT = 0.1  # of the answers, kept out of training for the accuracy table
 
 
-def _knob(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class MedusaTrainConfig:
     """One training run; each field is a `brisk train-medusa` flag (brisk/args.py)."""
 
-    num_heads: int = _knob(4, "Medusa heads to train; head k guesses the token k + 2 places ahead.")
-    num_prompts: int | None = _knob(None, "Prompts the model answers (taken round-robin over the categories of "
+    num_heads: int = knob(4, "Medusa heads to train; head k guesses the token k + 2 places ahead.")
+    num_prompts: int | None = knob(None, "Prompts the model answers (taken round-robin over the categories of "
                                           "brisk/spec/prompts.py); default: all of them.")
-    max_new_tokens: int = _knob(256, "Longest answer the model writes to each prompt, in tokens.")
+    max_new_tokens: int = knob(256, "Longest answer the model writes to each prompt, in tokens.")
     # Heads trained on greedy answers guessed as well or better on held-out answers of both
     # kinds (head 0 top-1 on answers sampled at 0.7: 23% against 20% for heads trained on sampled
     # answers), and adding sampled answers to the greedy ones (twice the data) changed nothing
     # measurable. In a greedy answer every token is the model's argmax, so head k's target is a
     # function of the context it reads; in a sampled one, the k tokens in between are draws.
-    temperature: float = _knob(0.0, "Temperature of the model's answers (0: greedy, which trained the better heads "
+    temperature: float = knob(0.0, "Temperature of the model's answers (0: greedy, which trained the better heads "
                                     "for greedy and sampled decoding alike).")
-    steps: int = _knob(300, "AdamW steps.")
-    batch_size: int = _knob(128, "Positions per step, each scored by every head.")
-    lr: float = _knob(3e-3, "Peak learning rate (short warmup, then cosine decay).")
-    seed: int = _knob(0, "Seed of the answers' sampling, the held-out split and the batches.")
+    steps: int = knob(300, "AdamW steps.")
+    batch_size: int = knob(128, "Positions per step, each scored by every head.")
+    lr: float = knob(3e-3, "Peak learning rate (short warmup, then cosine decay).")
+    seed: int = knob(0, "Seed of the answers' sampling, the held-out split and the batches.")
 
     def __post_init__(self) -> None:
         available = sum(len(p) for p in PROMPTS.values())

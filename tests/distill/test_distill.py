@@ -144,6 +144,8 @@ def test_candidates_drop_one_block_and_keep_the_ends():
 def test_bad_settings_are_refused_before_any_work(teacher_dir, corpus, tmp_path):
     with pytest.raises(ConfigError, match="--layers is required"):
         DistillConfig()
+    with pytest.raises(ConfigError, match="--layers is required and must be >= 2"):
+        _config(corpus, layers=1)
     with pytest.raises(ConfigError, match="--kd-weight must be in"):
         _config(corpus, kd_weight=1.5)
     with pytest.raises(ConfigError, match="the teacher has 4 layers"):
