@@ -32,7 +32,7 @@ from brisk.llm import LLM
 @dataclass
 class Row:
     name: str
-    layers: int
+    shape: str  # layers x hidden x intermediate
     parameters: int
     weight_bytes: int
     perplexity: float
@@ -76,7 +76,8 @@ def main(args) -> None:
         model = llm.engine.model
         greedy = reference if name == "teacher" else greedy_tokens(model, text + answers)
         ppl = perplexity(llm, data.heldout_text, args.context_len, args.stride)
-        rows[name] = Row(name, model.spec.num_layers, sum(p.numel() for p in model.parameters()), weight_bytes(llm),
+        spec = model.spec
+        rows[name] = Row(name, f"{spec.num_layers} x {spec.hidden_size} x {spec.intermediate_size}", sum(p.numel() for p in model.parameters()), weight_bytes(llm),
                          ppl.perplexity, agreement(reference[:len(text)], greedy[:len(text)], firsts[:len(text)]),
                          agreement(reference[len(text):], greedy[len(text):], firsts[len(text):]), [], [])
         single_stream_decode(llm, prompts[0], 8)  # warm-up: kernels built, pointer tables filled
@@ -92,13 +93,13 @@ def main(args) -> None:
           f"({sum(len(a) - f - 1 for a, f in zip(answers, firsts[len(text):]))} answer tokens); engine: "
           f"{config.dtype}, quantization {config.quantization or 'none'}, {torch.get_num_threads()} threads; speed: "
           f"{args.decode_len} tokens, single stream and {args.batch} at once, median of {args.rounds} rounds")
-    print("\n| model | layers | parameters | weights read per step | perplexity | top-1 agreement, text | "
-          "top-1 agreement, answers | single-stream tok/s | vs teacher | batched tok/s | vs teacher "
+    print("\n| model | layers x hidden x intermediate | parameters | weights read per step | perplexity "
+          "| top-1 agreement, text | top-1 agreement, answers | single-stream tok/s | vs teacher | batched tok/s | vs teacher "
           "| single stream, every round |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in rows.values():
         single, batched = statistics.median(row.single), statistics.median(row.batched)
-        print(f"| {row.name} | {row.layers} | {row.parameters / 1e6:.1f}M | {row.weight_bytes / 1e6:.0f} MB "
+        print(f"| {row.name} | {row.shape} | {row.parameters / 1e6:.1f}M | {row.weight_bytes / 1e6:.0f} MB "
               f"| {row.perplexity:.2f} | {row.text_agreement:.1%} | {row.answer_agreement:.1%} | {single:.1f} "
               f"| {single / single_t:.2f}x | {batched:.1f} | {batched / batched_t:.2f}x "
               f"| {', '.join(f'{v:.1f}' for v in row.single)} |")

@@ -11,19 +11,40 @@ compute similar updates, so a run of them can go, while the first layers (which 
 into features) and the last (which turn features into the LM head's input) cannot. So the
 student drops the one contiguous block, first and last layers always kept, whose removal costs
 the least on a sample of the training text.
+
+A narrower student (`--hidden`, `--intermediate`) keeps some of the residual stream's channels
+and some of each MLP's neurons, as Minitron prunes width: the channels the teacher's norms feed
+forward most strongly (their normalized outputs' mean square, summed over the norms), and the
+neurons with the largest mean squared activation, measured on training text. Each kept channel
+keeps its weights' rows and columns everywhere it is read or written; head_dim stays as it was
+(the config says it outright, since it no longer equals hidden / heads). An RMSNorm over fewer
+channels divides by a different RMS: the kept channels carry the most energy, so their RMS is
+larger and every norm's output would shrink; each norm's weight is scaled back by the measured
+ratio, sqrt(f * H / h) with f the kept share of that norm input's energy.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
-from typing import Callable
+import re
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from brisk.model.llama import LlamaForCausalLM
-from brisk.quant.checkpoint import write_folder
+from brisk.model.llama import LlamaForCausalLM, RMSNorm
+from brisk.model.sequences import forward_sequences
 from brisk.model.tokenizer import Tokenizer
+from brisk.quant.checkpoint import write_folder
+
+# What a narrower student slices, by Hugging Face weight name (distill/student.py's docstring).
+_READ_HIDDEN = ("embed_tokens.", "lm_head.", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+                "gate_proj.weight", "up_proj.weight")  # weight columns are residual channels
+_WRITE_HIDDEN = ("o_proj.weight", "down_proj.weight")  # weight rows are residual channels
+_HIDDEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
+_NEURON_ROWS = ("gate_proj.weight", "up_proj.weight")  # weight rows are MLP neurons
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+WIDTH_MULTIPLE = 32  # the smallest quantization group (GGUF's and int4's): kept widths divide into it
 
 
 def with_layers(model: LlamaForCausalLM, layers: list[int]) -> LlamaForCausalLM:
@@ -54,8 +75,91 @@ def choose_layers(model: LlamaForCausalLM, keep: int, cost: Callable[[LlamaForCa
     return min(candidate_layers(model.spec.num_layers, keep), key=lambda layers: cost(with_layers(model, layers)))
 
 
-def write_student(model: LlamaForCausalLM, layers: list[int], tokenizer: Tokenizer, out: str) -> None:
-    """The model with only `layers`, as a float Hugging Face folder: config.json,
-    model.safetensors and the teacher's tokenizer."""
+def write_student(model: LlamaForCausalLM, layers: list[int], tokenizer: Tokenizer, out: str,
+                  width: Width | None = None) -> None:
+    """The model with only `layers` (and `width`'s channels and neurons of the model with only
+    those layers), as a float Hugging Face folder: config.json, model.safetensors and the
+    teacher's tokenizer."""
     student = with_layers(model, layers)
-    write_folder(out, student.spec.hf_config(), None, tokenizer, student.hf_weights())
+    spec, weights = student.spec, student.hf_weights()
+    if width is not None:
+        spec = replace(spec, hidden_size=width.hidden, intermediate_size=width.intermediate)
+        weights = narrowed(weights, width)
+    write_folder(out, spec.hf_config(), None, tokenizer, weights)
+
+
+@dataclass(frozen=True)
+class Width:
+    """What a narrower student keeps of the (layer-pruned) model it is cut from."""
+
+    channels: torch.Tensor  # [hidden] increasing indices of kept residual channels
+    neurons: list[torch.Tensor]  # per layer: [intermediate] increasing indices of kept MLP neurons
+    norm_scales: dict[str, float]  # HF name of each hidden-size norm's weight -> its rescale
+
+    @property
+    def hidden(self) -> int:
+        return len(self.channels)
+
+    @property
+    def intermediate(self) -> int:
+        return len(self.neurons[0])
+
+
+@torch.no_grad()
+def measure_width(model: LlamaForCausalLM, sequences: list[list[int]], hidden: int, intermediate: int) -> Width:
+    """The `hidden` residual channels and, per layer, `intermediate` MLP neurons of `model` that
+    matter most on `sequences` (see the module docstring)."""
+    spec = model.spec
+    if not 0 < hidden <= spec.hidden_size or not 0 < intermediate <= spec.intermediate_size:
+        raise ValueError(f"a narrower student keeps 1 to {spec.hidden_size} channels and 1 to "
+                         f"{spec.intermediate_size} neurons, not {hidden} and {intermediate}")
+    energy: dict[str, torch.Tensor] = {}
+    importance = torch.zeros(spec.hidden_size, dtype=torch.float64)
+    activations = [torch.zeros(spec.intermediate_size, dtype=torch.float64) for _ in model.layers]
+
+    def norm_input(name: str, norm: RMSNorm):
+        def hook(_, args):
+            x = args[0] if len(args) == 1 or args[1] is None else args[0] + args[1]
+            x = x.double()
+            energy[name] = energy.get(name, 0) + x.square().sum(0)
+            normalized = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+            importance.add_(normalized.square().sum(0))
+        return hook
+
+    def mlp_input(i: int):
+        def hook(_, args):
+            activations[i].add_(args[0].double().square().sum(0))
+        return hook
+
+    handles = [model.norm.register_forward_pre_hook(norm_input("model.norm.weight", model.norm))]
+    for i, layer in enumerate(model.layers):
+        for part in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, part)
+            handles.append(norm.register_forward_pre_hook(norm_input(f"model.layers.{i}.{part}.weight", norm)))
+        handles.append(layer.mlp.down_proj.register_forward_pre_hook(mlp_input(i)))
+    try:
+        forward_sequences(model, sequences)
+    finally:
+        for handle in handles:
+            handle.remove()
+    channels = importance.topk(hidden).indices.sort().values
+    scales = {name: (e[channels].sum() / e.sum() * spec.hidden_size / hidden).sqrt().item()
+              for name, e in energy.items()}
+    return Width(channels, [a.topk(intermediate).indices.sort().values for a in activations], scales)
+
+
+def narrowed(weights: Iterable[tuple[str, torch.Tensor]], width: Width) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face-named weights of a model with only `width`'s channels and neurons."""
+    for name, tensor in weights:
+        layer = _LAYER.search(name)
+        if name.endswith(_NEURON_ROWS):
+            tensor = tensor[width.neurons[int(layer.group(1))]]
+        elif name.endswith("down_proj.weight"):
+            tensor = tensor[:, width.neurons[int(layer.group(1))]]
+        if name.endswith(_HIDDEN_NORMS):
+            tensor = tensor[width.channels] * width.norm_scales[name]
+        elif name.endswith(_WRITE_HIDDEN):
+            tensor = tensor[width.channels]
+        elif any(part in name for part in _READ_HIDDEN):
+            tensor = tensor[:, width.channels]
+        yield name, tensor.contiguous()

@@ -1,4 +1,5 @@
-"""`brisk distill`: train a student made of some of the teacher's layers to follow it.
+"""`brisk distill`: train a student made of some of the teacher's layers (and optionally
+some of its width) to follow it.
 
 The loss at every position of a batch of sequences is
 
@@ -33,16 +34,18 @@ import torch.nn.functional as F
 
 from brisk.config import ConfigError, knob
 from brisk.distill import data as teacher_data
-from brisk.distill.student import choose_layers, write_student
+from brisk.distill.student import WIDTH_MULTIPLE, choose_layers, measure_width, with_layers, write_student
 from brisk.llm import LLM
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import Checkpoint, load_model, open_checkpoint
 from brisk.model.sequences import forward_sequences
+from brisk.model.spec import ModelSpec
 from brisk.quant.checkpoint import save_weights
 
 STATE_DIR = "distill"  # inside the student folder: the run's state and data
 _TIMED_STEPS = 3  # a budgeted run times this many steps, after a first one (allocations, warm caches: 2x slower)
 _CHOICE_SEQUENCES = 4  # training sequences that score each candidate choice of layers
+_WIDTH_SEQUENCES = 32  # training sequences, spread over corpus and answers, that rank channels and neurons
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class DistillConfig:
 
     layers: int | None = knob(None, "Teacher layers the student keeps (required): the first and last, and the rest "
                                      "but one contiguous block, the one whose loss hurts least (distill/student.py).")
+    hidden: int | None = knob(None, "Residual channels the student keeps, a multiple of 32 (default: all); the "
+                                     "ones the teacher's norms feed forward most strongly (distill/student.py).")
+    intermediate: int | None = knob(None, "MLP neurons each layer keeps, a multiple of 32 (default: all); the ones "
+                                           "most active on training text.")
     budget_minutes: float | None = knob(30.0, "Training time; the step count is fixed from the first steps' pace. "
                                                "Making the data is not counted (it is timed apart).")
     steps: int | None = knob(None, "Training steps, instead of a time budget (a run repeats exactly with the same "
@@ -79,6 +86,11 @@ class DistillConfig:
         checks = (
             ("layers", self.layers is not None and self.layers >= 2,
              "is required and must be >= 2 (the first and the last layer are always kept)"),
+            ("hidden", self.hidden is None or (self.hidden > 0 and self.hidden % WIDTH_MULTIPLE == 0),
+             f"must be a positive multiple of {WIDTH_MULTIPLE} (quantization groups must divide a row)"),
+            ("intermediate", self.intermediate is None or (self.intermediate > 0
+                                                           and self.intermediate % WIDTH_MULTIPLE == 0),
+             f"must be a positive multiple of {WIDTH_MULTIPLE} (quantization groups must divide a row)"),
             ("budget_minutes", self.budget_minutes is None or self.budget_minutes > 0, "must be > 0"),
             ("steps", self.steps is None or self.steps >= 1, "must be >= 1"),
             ("steps", self.steps is not None or self.budget_minutes is not None, "or --budget-minutes is needed"),
@@ -120,7 +132,9 @@ class RunState:
 
 @dataclass(frozen=True)
 class DistillReport:
-    layers: list[int]
+    layers: list[int]  # the teacher's, in the student
+    hidden: int
+    intermediate: int
     parameters: int  # the student's
     teacher_parameters: int
     state: RunState
@@ -133,7 +147,8 @@ class DistillReport:
         first, tail = losses[0], losses[-max(1, len(losses) // 10):]
         mean = [sum(v[i] for v in tail) / len(tail) for i in range(3)]
         return "\n".join([
-            f"student: teacher layers {self.layers}; {self.parameters / 1e6:.1f}M parameters "
+            f"student: teacher layers {self.layers}, hidden {self.hidden}, intermediate {self.intermediate}; "
+            f"{self.parameters / 1e6:.1f}M parameters "
             f"(teacher {self.teacher_parameters / 1e6:.1f}M)",
             f"data: {self.corpus_tokens} corpus + {self.answer_tokens} answer tokens, made (and the layers chosen) in {self.data_seconds:.0f} s",
             f"training: {self.state.step} steps in {self.state.train_seconds / 60:.1f} min; loss (KL, CE) "
@@ -252,8 +267,11 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     if teacher.layout is not None:
         raise ConfigError(f"{teacher.path} is a `brisk quantize` folder ({teacher.layout}): distill from the float "
                           f"checkpoint it came from")
-    if config.layers > teacher.spec.num_layers:
-        raise ConfigError(f"--layers {config.layers}: the teacher has {teacher.spec.num_layers} layers")
+    spec = teacher.spec
+    for flag, wanted, has in (("layers", config.layers, spec.num_layers), ("hidden", config.hidden, spec.hidden_size),
+                              ("intermediate", config.intermediate, spec.intermediate_size)):
+        if wanted is not None and wanted > has:
+            raise ConfigError(f"--{flag} {wanted}: the teacher has {has}")
     corpus = config.data_config().corpus
     if config.teacher_data is None and not resuming and not os.path.exists(corpus):
         raise ConfigError(f"no text at {corpus}: run `make install` (it fetches Pride and Prejudice) or pass --corpus")
@@ -265,9 +283,14 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     else:
         data, model = _data(teacher, config, log, progress)
         layers = choose_layers(model, config.layers, lambda student: _sample_loss(student, data))
+        width = None
+        if config.hidden is not None or config.intermediate is not None:
+            sample = data.sequences[::max(1, len(data.sequences) // _WIDTH_SEQUENCES)]
+            width = measure_width(with_layers(model, layers), sample, config.hidden or spec.hidden_size,
+                                  config.intermediate or spec.intermediate_size)
         os.makedirs(state_dir, exist_ok=True)
         data.save(data_path)
-        write_student(model, layers, teacher.tokenizer, out)
+        write_student(model, layers, teacher.tokenizer, out, width)
         del model
     data_seconds = time.perf_counter() - clock
 
@@ -278,13 +301,19 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     else:
         trainer.state.layers = layers
     layers = trainer.state.layers
-    log(f"student: teacher layers {layers}, {sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters, "
+    log(f"student: teacher layers {layers}, hidden {student.spec.hidden_size}, intermediate "
+        f"{student.spec.intermediate_size}, {_parameters(student.spec) / 1e6:.1f}M parameters, "
         f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M trained")
     _train(trainer, config, lambda: (trainer.save(state_path), _write_weights(student, out)), log, progress)
-    parameters = sum(p.numel() for p in student.parameters())
-    per_layer = sum(p.numel() for p in student.layers[0].parameters())
-    return DistillReport(layers, parameters, parameters + (teacher.spec.num_layers - len(layers)) * per_layer,
-                         trainer.state, data_seconds, data.corpus_tokens, data.answer_tokens)
+    return DistillReport(layers, student.spec.hidden_size, student.spec.intermediate_size,
+                         _parameters(student.spec), _parameters(spec), trainer.state, data_seconds,
+                         data.corpus_tokens, data.answer_tokens)
+
+
+def _parameters(spec: ModelSpec) -> int:
+    """How many weights a model of this shape has (counted on the meta device: no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(spec, max_len=1).parameters())
 
 
 def _data(teacher: Checkpoint, config: DistillConfig, log, progress: bool

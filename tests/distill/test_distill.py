@@ -132,6 +132,24 @@ def test_the_student_drafts_with_the_teachers_greedy_output(teacher_dir, trained
     assert_no_leaks(spec.engine)
 
 
+def test_a_narrower_student_trains_and_drafts_with_the_teachers_greedy_output(teacher_dir, corpus, tmp_path):
+    out = str(tmp_path / "narrow")
+    report = distill(teacher_dir, out, _config(corpus, hidden=32, intermediate=64))
+    assert (report.hidden, report.intermediate) == (32, 64) and report.parameters < report.teacher_parameters / 2
+    losses = report.state.losses
+    assert sum(v[1] for v in losses[-5:]) < 0.9 * sum(v[1] for v in losses[:5])  # the KL term falls
+    spec = LLM(teacher_dir, dtype="float32", max_model_len=64, num_kv_blocks=64,
+               speculative_config={"model": out, "num_speculative_tokens": 3, "disable_by_batch_size": 8})
+    assert spec.engine.speculator.drafter.runner.model.spec.hidden_size == 32
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33, 9 + i, 12]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(teacher_dir, dtype="float32", max_model_len=64, num_kv_blocks=64).generate(prompts, params,
+                                                                                         use_tqdm=False)
+    drafted = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert_no_leaks(spec.engine)
+
+
 def test_candidates_drop_one_block_and_keep_the_ends():
     assert candidate_layers(5, 3) == [[0, 3, 4], [0, 1, 4]]
     assert candidate_layers(4, 4) == [[0, 1, 2, 3]]
@@ -148,8 +166,12 @@ def test_bad_settings_are_refused_before_any_work(teacher_dir, corpus, tmp_path)
         _config(corpus, layers=1)
     with pytest.raises(ConfigError, match="--kd-weight must be in"):
         _config(corpus, kd_weight=1.5)
-    with pytest.raises(ConfigError, match="the teacher has 4 layers"):
+    with pytest.raises(ConfigError, match="--hidden must be a positive multiple of 32"):
+        _config(corpus, hidden=48)
+    with pytest.raises(ConfigError, match="--layers 5: the teacher has 4"):
         distill(teacher_dir, str(tmp_path / "a"), _config(corpus, layers=5))
+    with pytest.raises(ConfigError, match="--hidden 128: the teacher has 64"):
+        distill(teacher_dir, str(tmp_path / "a"), _config(corpus, hidden=128))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "file").write_text("x")
     with pytest.raises(ConfigError, match="holds no run to resume"):
@@ -184,7 +206,7 @@ def test_eval_reports_teacher_and_student_side_by_side(trained, capsys):
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r[0].strip() for r in rows[1:]] == ["teacher", "out"]  # the header, then one row per model
     teacher, student = rows[1], rows[2]
-    assert [teacher[1].strip(), student[1].strip()] == ["4", "2"]  # layers
+    assert [teacher[1].strip(), student[1].strip()] == ["4 x 64 x 96", "2 x 64 x 96"]  # layers x hidden x inter.
     assert teacher[5].strip() == "100.0%" and float(student[5].strip().rstrip("%")) < 100  # agreement on text
     assert float(student[4]) > 1  # a perplexity
 

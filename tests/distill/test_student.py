@@ -1,14 +1,18 @@
 """A student made of some of the teacher's layers: the folder holds exactly
 those layers (transformers on it equals transformers on the teacher with the others removed, and
-brisk serves it with the same logits)."""
+brisk serves it with the same logits). A narrower student keeps the channels and neurons that
+carry the teacher's signal: cut from a teacher whose other channels and neurons are dead, it
+computes the very same logits."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
 from brisk import LLM
-from brisk.distill.student import with_layers, write_student
+from brisk.distill.student import measure_width, with_layers, write_student
 from brisk.model.loader import load_model, open_checkpoint
 from tests.conftest import load_hf_reference
 from tests.helpers import brisk_logits, hf_logits
@@ -40,3 +44,59 @@ def test_bad_layer_lists_are_refused(tiny_model_dir):
         with pytest.raises(ValueError, match="layers must be increasing"):
             with_layers(model, layers)
     assert model.spec.num_layers == 2 and len(model.layers) == 2  # the teacher is left as it was
+
+
+def _with_dead_width(folder: str, out: str, dead_channels: torch.Tensor, dead_neurons: list[torch.Tensor]):
+    """A copy of the model at `folder` in which some residual channels are always zero (nothing
+    writes them) and some MLP neurons never fire (their gate rows are zero: silu(0) * up = 0).
+    Its norms' epsilon is negligible: a random model's activations are so small that the usual
+    1e-6 would weigh in the RMS, and an RMS over fewer channels would then differ by more than
+    the rescale makes up for."""
+    shutil.copytree(folder, out)
+    hf = load_hf_reference(folder)
+    hf.config.rms_norm_eps = 1e-12
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[:, dead_channels] = 0
+        for layer, neurons in zip(hf.model.layers, dead_neurons):
+            layer.self_attn.o_proj.weight[dead_channels] = 0
+            layer.mlp.down_proj.weight[dead_channels] = 0
+            layer.mlp.gate_proj.weight[neurons] = 0
+    hf.save_pretrained(out, safe_serialization=True)
+    return load_hf_reference(out)
+
+
+def test_a_narrower_student_keeps_the_live_channels_and_neurons(tiny_model_dir, tmp_path):
+    spec = open_checkpoint(tiny_model_dir).spec
+    g = torch.Generator().manual_seed(0)
+    dead_channels = torch.randperm(spec.hidden_size, generator=g)[:spec.hidden_size // 2].sort().values
+    dead_neurons = [torch.randperm(spec.intermediate_size, generator=g)[:spec.intermediate_size // 3].sort().values
+                    for _ in range(spec.num_layers)]
+    teacher_dir = str(tmp_path / "teacher")
+    teacher_hf = _with_dead_width(tiny_model_dir, teacher_dir, dead_channels, dead_neurons)
+    checkpoint = open_checkpoint(teacher_dir)
+    model = load_model(checkpoint, torch.float32, torch.device("cpu"), max_len=16)
+    hidden, intermediate = spec.hidden_size - len(dead_channels), spec.intermediate_size - len(dead_neurons[0])
+    width = measure_width(model, [PROMPT, PROMPT[::-1]], hidden, intermediate)
+
+    def live(dead: torch.Tensor, size: int) -> list[int]:
+        return sorted(set(range(size)) - set(dead.tolist()))
+
+    assert width.channels.tolist() == live(dead_channels, spec.hidden_size)
+    assert [n.tolist() for n in width.neurons] == [live(d, spec.intermediate_size) for d in dead_neurons]
+    out = str(tmp_path / "student")
+    write_student(model, list(range(spec.num_layers)), checkpoint.tokenizer, out, width)
+    # The norms now divide by the RMS of half the channels: only their rescaled weights make
+    # this exact (without it the logits differ by a factor in every layer).
+    expected = hf_logits(teacher_hf, PROMPT)
+    student_hf = load_hf_reference(out)
+    assert student_hf.config.hidden_size == hidden and student_hf.config.intermediate_size == intermediate
+    torch.testing.assert_close(hf_logits(student_hf, PROMPT), expected, rtol=0, atol=1e-4)
+    student = LLM(out, dtype="float32", max_model_len=64, num_kv_blocks=32)
+    assert (brisk_logits(student.engine, PROMPT) - expected).abs().max().item() < 1e-4
+
+
+def test_widths_outside_the_model_are_refused(tiny_model_dir):
+    model = load_model(open_checkpoint(tiny_model_dir), torch.float32, torch.device("cpu"), max_len=16)
+    for hidden, intermediate in ((0, 32), (model.spec.hidden_size + 1, 32), (32, model.spec.intermediate_size + 1)):
+        with pytest.raises(ValueError, match="a narrower student keeps 1 to"):
+            measure_width(model, [PROMPT], hidden, intermediate)
