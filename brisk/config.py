@@ -1,7 +1,8 @@
-"""EngineConfig and ServerConfig: the one place every knob lives.
+"""EngineConfig, EmbeddingConfig and ServerConfig: the one place every knob lives.
 
 The CLI, the offline `LLM` API and the server all build an EngineConfig; `brisk serve` adds a
-ServerConfig for what only the HTTP front end needs. Command-line flags are generated from
+ServerConfig for what only the HTTP front end needs, and an EmbeddingConfig for the embedding
+model it serves beside the generation model. Command-line flags are generated from
 these fields, so a knob is added here once and appears everywhere. Names follow vLLM's where
 vLLM has the same knob.
 """
@@ -212,6 +213,36 @@ class EngineConfig:
             return str(self.torch_dtype).removeprefix("torch.")
         return self.kv_cache_dtype
 
+
+
+EMBEDDING_DISABLED = "none"
+
+
+@dataclass
+class EmbeddingConfig:
+    """The sentence-embedding model `brisk serve` answers /v1/embeddings with (brisk/embed/), and
+    how its dynamic batcher groups concurrent inputs."""
+
+    embedding_model: str | None = knob(
+        None, "A sentence-transformers folder to serve at /v1/embeddings; default: all-MiniLM-L6-v2 (installed by "
+              "`make install`); none: no embeddings.")
+    embedding_max_batch_size: int = knob(64, "Inputs per embedding batch, at most.")
+    embedding_max_wait_ms: float = knob(
+        5.0, "How long the oldest waiting input may wait for others to join its batch, in ms (under load batches "
+             "fill while the previous one runs, and this is never waited).")
+    embedding_max_batch_tokens: int = knob(16384, "Padded tokens per embedding batch (inputs x the longest), at most.")
+    embedding_max_queue_size: int = knob(4096, "Inputs that may wait for a batch before new ones get 429.")
+
+    def __post_init__(self) -> None:
+        for name in ("embedding_max_batch_size", "embedding_max_batch_tokens", "embedding_max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.embedding_max_wait_ms >= 0:
+            raise ConfigError(f"embedding_max_wait_ms must be >= 0, got {self.embedding_max_wait_ms}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.embedding_model != EMBEDDING_DISABLED
 
 
 @dataclass

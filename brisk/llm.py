@@ -3,6 +3,7 @@
     from brisk import LLM, SamplingParams
     llm = LLM()                                   # SmolLM2-135M-Instruct
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    vectors = llm.embed(["Hello"])                # all-MiniLM-L6-v2, loaded at the first call
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from brisk.config import EngineConfig
+from brisk.embed.embedder import Embedder, Embedding
 from brisk.engine.engine import LLMEngine, Prompt
 from brisk.engine.output import RequestOutput
 from brisk.model.tokenizer import Message
@@ -20,12 +22,16 @@ from brisk.sampling_params import OutputKind, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, *, embedding_model: str | None = None, **engine_options):
+        """model: the generation model; embedding_model: the sentence-transformers folder
+        `embed` uses (default all-MiniLM-L6-v2); engine_options: EngineConfig's fields."""
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(engine_options) - known
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.embedding_model = embedding_model
+        self._embedder: Embedder | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
@@ -54,6 +60,13 @@ class LLM:
                     "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]], truncate: bool = True) -> list[Embedding]:
+        """Sentence embeddings of texts (or token-id lists), in order: Embedder.embed on the
+        embedding model, loaded at the first call."""
+        if self._embedder is None:
+            self._embedder = Embedder(self.embedding_model)
+        return self._embedder.embed(inputs, truncate)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

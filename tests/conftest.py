@@ -87,6 +87,14 @@ def real_llm(real_model_path) -> LLM:
 
 
 @pytest.fixture(scope="session")
+def real_embedder():
+    """The default embedding model (all-MiniLM-L6-v2) in fp32, loaded once."""
+    from brisk.embed.embedder import Embedder
+
+    return Embedder()
+
+
+@pytest.fixture(scope="session")
 def real_hf_model(real_model_path):
     return load_hf_reference(real_model_path)
 

@@ -63,6 +63,17 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(so)
     so.set_defaults(func=_main_of("brisk.bench.structured"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    em = kinds.add_parser("embed", help="embeddings: dynamic batching vs one at a time, in process and over HTTP")
+    em.add_argument("--num-requests", type=int, default=1000)
+    em.add_argument("--concurrency", type=int, default=64, help="callers, each with one request in flight")
+    em.add_argument("--where", nargs="+", default=["process", "http"], choices=["process", "http"])
+    em.add_argument("--max-batch-size", type=int, default=64)
+    em.add_argument("--max-wait-ms", type=float, default=5.0)
+    em.add_argument("--model", default=None, help="sentence-transformers folder; default: all-MiniLM-L6-v2")
+    em.add_argument("--text", default=None, help="where the sentences are cut from; default: Pride and Prejudice")
+    em.add_argument("--startup-timeout", type=float, default=300.0)
+    em.set_defaults(func=_main_of("brisk.bench.embed"))
+
     sp = kinds.add_parser("spec", help="speculative decoding (ngram, self-drafts, Medusa) vs plain decoding")
     sp.add_argument("--methods", nargs="+", default=["ngram", "self-int8", "self-int4"],
                     choices=["ngram", "self-int8", "self-int4"])

@@ -20,7 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import httpx
 import torch
@@ -63,23 +65,31 @@ def run_offline(config: EngineConfig, prompts: list[list[Message]], params: Samp
     return RunResult("offline LLM.chat", len(prompts), sum(len(o.outputs[0].token_ids) for o in outputs), elapsed)
 
 
-def run_served(kind: str, config: EngineConfig, server: ServerConfig, prompts: list[list[Message]],
-               params: SamplingParams, startup_timeout: float) -> RunResult:
-    """Starts `brisk serve` with this engine config, runs the prompts against it, stops it."""
-    command = [sys.executable, "-m", "brisk.cli", "serve", *config_flags(config), *config_flags(server)]
+@contextmanager
+def brisk_serve(flags: list[str], server: ServerConfig, startup_timeout: float) -> Iterator[str]:
+    """A `brisk serve` subprocess with these flags (the server's among them) until the block
+    ends; yields its base URL once /health answers."""
+    command = [sys.executable, "-m", "brisk.cli", "serve", *flags]
     base_url = f"http://{server.host}:{server.port}"
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_until_healthy(process, base_url, startup_timeout, log)
-            model = server.served_model_name[0]
-            asyncio.run(_load(base_url, model, prompts[:2], SamplingParams(max_tokens=2)))  # warm-up
-            start = time.perf_counter()
-            streams = asyncio.run(_load(base_url, model, prompts, params))
-            elapsed = time.perf_counter() - start
+            yield base_url
         finally:
             process.terminate()
             process.wait(timeout=60)
+
+
+def run_served(kind: str, config: EngineConfig, server: ServerConfig, prompts: list[list[Message]],
+               params: SamplingParams, startup_timeout: float) -> RunResult:
+    """Starts `brisk serve` with this engine config, runs the prompts against it, stops it."""
+    with brisk_serve([*config_flags(config), *config_flags(server)], server, startup_timeout) as base_url:
+        model = server.served_model_name[0]
+        asyncio.run(_load(base_url, model, prompts[:2], SamplingParams(max_tokens=2)))  # warm-up
+        start = time.perf_counter()
+        streams = asyncio.run(_load(base_url, model, prompts, params))
+        elapsed = time.perf_counter() - start
     return RunResult(f"brisk serve, {ENGINE_KINDS[kind]}", len(prompts), sum(s.tokens for s in streams), elapsed,
                      ttfts=[s.ttft for s in streams], itls=[gap for s in streams for gap in s.itls])
 
@@ -129,13 +139,13 @@ def _wait_until_healthy(process: subprocess.Popen, base_url: str, timeout: float
     raise RuntimeError(f"brisk serve did not become healthy within {timeout:.0f} s")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
@@ -148,7 +158,7 @@ def main(args) -> None:
     prompts = chat_prompts(args.num_prompts)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p,
                             seed=args.sampling_seed, ignore_eos=True)
-    print(f"CPU: {_cpu_name()} ({os.cpu_count()} cores, torch capability {torch.backends.cpu.get_cpu_capability()}); "
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores, torch capability {torch.backends.cpu.get_cpu_capability()}); "
           f"engine threads: {config.num_threads or 'all cores'}; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"engine process: {args.engine_omp_wait_policy or 'inherited'}")
@@ -157,7 +167,7 @@ def main(args) -> None:
 
     results = [run_offline(config, prompts, params)]
     for kind in args.engines:
-        server = ServerConfig(port=_free_port(), served_model_name="bench", log_level="warning",
+        server = ServerConfig(port=free_port(), served_model_name="bench", log_level="warning",
                               engine_process=kind == "process",
                               engine_omp_wait_policy=args.engine_omp_wait_policy if kind == "process" else None)
         results.append(run_served(kind, config, server, prompts, params, args.startup_timeout))

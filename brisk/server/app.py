@@ -1,6 +1,7 @@
 """The HTTP server: OpenAI-compatible endpoints, brisk's service endpoints, and vLLM's tokenizer ones.
 
     POST /v1/chat/completions, /v1/completions      OpenAI shapes, streaming as SSE  (openai_api.py)
+    POST /v1/embeddings                              OpenAI's shape, the embedding model (embedding_api.py)
     GET  /v1/models, /v1/models/{id}                 every served name (aliases), or one of them
     POST /v1/generate, /v1/generate/batch            brisk's simple generation API   (service_api.py)
     GET  /v1/cache/stats, DELETE /v1/cache           KV and prefix cache figures / eviction
@@ -23,8 +24,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from brisk.config import ServerConfig
+from brisk.config import EmbeddingConfig, ServerConfig
+from brisk.embed.embedder import Embedder
 from brisk.engine.client import EngineClient
+from brisk.server.embedding_api import EmbeddingServing, embedding_router
 from brisk.server.errors import ErrorResponse, error_body, install_error_handlers
 from brisk.server.metrics import PrometheusStatLogger
 from brisk.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -36,12 +39,18 @@ from brisk.server.tokenizer_api import tokenizer_router
 OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key, for probes and scrapers
 
 
-def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_engine: bool = True) -> FastAPI:
-    """An app serving `engine`. With owns_engine, shutting the app down stops the engine."""
+def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_engine: bool = True,
+              embedder: Embedder | None = None, embedding_config: EmbeddingConfig | None = None) -> FastAPI:
+    """An app serving `engine`, and `embedder` at /v1/embeddings when given. With owns_engine,
+    shutting the app down stops the engine."""
     config = config or ServerConfig()
     model_names = config.served_model_name or [engine.model_info.name]
     metrics = PrometheusStatLogger(model_names[0])
     engine.add_stat_logger(metrics)
+    embeddings = None
+    if embedder is not None:
+        embeddings = EmbeddingServing(embedder, embedding_config or EmbeddingConfig(), metrics.record_embedding_batch)
+        metrics.embedding_queue_depth.set_function(lambda: embeddings.batcher.queue_depth)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -49,6 +58,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
             yield
         finally:
             engine.remove_stat_logger(metrics)
+            if embeddings is not None:
+                await embeddings.batcher.close()
             if owns_engine:
                 engine.shutdown()
 
@@ -58,7 +69,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
                        open_paths=OPEN_PATHS, admin_routes=ADMIN_ROUTES)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     serving = Serving(engine, config, model_names)
-    app.include_router(openai_router(serving))
+    app.include_router(openai_router(serving, embeddings))
+    if embeddings is not None:
+        app.include_router(embedding_router(embeddings))
     app.include_router(service_router(serving))
     app.include_router(tokenizer_router(serving))
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from brisk.embed.batcher import BatchRecord
 from brisk.engine.stats import EngineSnapshot, IterationStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9)
 
 
 class PrometheusStatLogger:
@@ -53,6 +56,20 @@ class PrometheusStatLogger:
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.batch_size = histogram("iteration_batch_size", "Sequences advanced per engine step.", _BATCH_BUCKETS)
         self._prefix_seen = (0, 0)  # cumulative (queries, hits) at the last record
+        # The embedding model's dynamic batcher (record_embedding_batch)
+        self.embedding_inputs = counter("embedding_inputs", "Embedding inputs answered (failed ones included).")
+        self.embedding_failed = counter("embedding_failed_inputs", "Embedding inputs answered with an error.")
+        self.embedding_tokens = counter("embedding_tokens", "Tokens of embedding inputs.")
+        self.embedding_padded_tokens = counter(
+            "embedding_padded_tokens", "Positions the embedding batches ran: inputs x each batch's longest.")
+        self.embedding_batch_size = histogram("embedding_batch_size", "Inputs per embedding batch.", _BATCH_BUCKETS)
+        self.embedding_padding = histogram("embedding_padding_ratio", "Share of each embedding batch's positions that "
+                                           "were padding.", _RATIO_BUCKETS)
+        self.embedding_queue_time = histogram("embedding_queue_time_seconds", "Arrival of an embedding input to "
+                                              "the start of its batch.", _WAIT_BUCKETS)
+        self.embedding_batch_time = histogram("embedding_batch_seconds", "Wall time of one embedding batch.",
+                                              _WAIT_BUCKETS)
+        self.embedding_queue_depth = gauge("embedding_queue_depth", "Embedding inputs waiting for a batch.")
 
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
         self.running.set(snapshot.num_running)
@@ -83,6 +100,17 @@ class PrometheusStatLogger:
             self.e2e.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue.observe(finished.queue_time)
+
+    def record_embedding_batch(self, batch: BatchRecord) -> None:
+        self.embedding_inputs.inc(batch.size)
+        self.embedding_failed.inc(batch.failed)
+        self.embedding_tokens.inc(batch.tokens)
+        self.embedding_padded_tokens.inc(batch.padded_tokens)
+        self.embedding_batch_size.observe(batch.size)
+        self.embedding_padding.observe(1 - batch.tokens / batch.padded_tokens)
+        for wait in batch.queue_waits:
+            self.embedding_queue_time.observe(wait)
+        self.embedding_batch_time.observe(batch.seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

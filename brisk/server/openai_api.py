@@ -18,15 +18,17 @@ from fastapi.responses import JSONResponse, Response
 
 from brisk.engine.output import CompletionOutput, RequestOutput
 from brisk.sample.logprobs import TokenLogprobs
+from brisk.server.embedding_api import EmbeddingServing
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, sse
 from brisk.server.tools import ToolCallParser, parse_tool_calls, tool_grammar
 
 
-def openai_router(serving: Serving) -> APIRouter:
+def openai_router(serving: Serving, embeddings: EmbeddingServing | None = None) -> APIRouter:
+    """The generation routes, and /v1/models listing the embedding model too when one is served."""
     router = APIRouter()
-    api = OpenAIServing(serving)
+    api = OpenAIServing(serving, embeddings)
     router.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/completions", api.completions, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -36,14 +38,19 @@ def openai_router(serving: Serving) -> APIRouter:
 
 
 class OpenAIServing:
-    def __init__(self, serving: Serving):
-        self.serving = serving
+    def __init__(self, serving: Serving, embeddings: EmbeddingServing | None):
+        self.serving, self.embeddings = serving, embeddings
         self.model_name = serving.model_name
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._model_card(name) for name in self.serving.model_names]}
+        cards = [self._model_card(name) for name in self.serving.model_names]
+        if self.embeddings is not None:
+            cards.append(self.embeddings.model_card(self.serving.created))
+        return {"object": "list", "data": cards}
 
     async def model(self, model_id: str) -> dict:
+        if self.embeddings is not None and model_id == self.embeddings.model_name:
+            return self.embeddings.model_card(self.serving.created)
         self.serving.check_model(model_id)
         return self._model_card(model_id)
 

@@ -25,6 +25,7 @@ from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, Sam
 MAX_N = 128  # completions per request, as OpenAI allows
 MAX_PROMPTS = 128  # prompts per /v1/completions or /v1/generate/batch request
 MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows for chat
+MAX_EMBEDDING_INPUTS = 2048  # inputs per /v1/embeddings request, as OpenAI allows
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -283,3 +284,23 @@ class GenerateBatchRequest(_Body):
     prompts: list[Annotated[Text, Field(min_length=1)]] = Field(min_length=1, max_length=MAX_PROMPTS)
     max_tokens: int = BRISK_DEFAULTS.max_tokens
     temperature: float = BRISK_DEFAULTS.temperature
+
+
+class EmbeddingRequest(_Body):
+    model: Text | None = None
+    input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | \
+        Annotated[list[int], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: Text | None = None  # OpenAI platform bookkeeping: accepted, no effect
+    # brisk's: an input longer than the model reads is cut to fit (as sentence-transformers does),
+    # or with false refused with 400
+    truncate: bool = True
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The one or many inputs, all texts or all token-id lists."""
+        x = self.input
+        if isinstance(x, str) or isinstance(x[0], int):
+            return [x]
+        return list(x)

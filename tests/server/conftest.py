@@ -30,10 +30,11 @@ def free_port() -> str:
 
 
 @contextmanager
-def running_server(engine: EngineClient, **server_options):
-    """Serves `engine` on a free port until the block ends (ServerConfig fields as keywords);
-    yields the base URL."""
-    app = build_app(engine, ServerConfig(**server_options), owns_engine=False)
+def running_server(engine: EngineClient, embedder=None, embedding_config=None, **server_options):
+    """Serves `engine` (and `embedder` at /v1/embeddings) on a free port until the block ends
+    (ServerConfig fields as keywords); yields the base URL."""
+    app = build_app(engine, ServerConfig(**server_options), owns_engine=False, embedder=embedder,
+                    embedding_config=embedding_config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

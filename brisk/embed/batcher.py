@@ -1,0 +1,198 @@
+"""DynamicBatcher: one-shot work (an embedding, a classification) from many callers, run in batches.
+
+Callers `await batcher.submit(item)` one item at a time; the batcher holds waiting items until
+a batch is due (max_batch_size items, or max_tokens_per_batch padded tokens, or the oldest item
+has waited max_wait_ms), then runs one call over the batch on a worker thread, so the event
+loop keeps accepting callers while the model computes, and items that arrive meanwhile form
+the next batch: under load, batches fill by themselves and max_wait_ms is never waited.
+
+Which items: the oldest waiting item always goes (so no item waits behind a stream of
+better-fitting ones), with the items nearest its length: among every window of the waiting
+items sorted by length that holds it, the one with the most items, then the least padding.
+Padding is what a batch pays for its longest row: padded tokens = items x longest.
+
+Each caller gets its own result or its own exception. If the batched call fails as a whole,
+its items run again one by one, so one bad input fails only itself. A caller cancelled while
+waiting leaves the queue; one cancelled while its batch runs just drops its result. A full
+queue refuses new items with QueueFull (the server's 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Generic, Sequence, TypeVar
+
+logger = logging.getLogger("brisk.embed")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class QueueFull(RuntimeError):
+    """The batcher's queue is at max_queue_size: try again later."""
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One batch as it ran: what a metrics sink (Prometheus, a benchmark) is given."""
+
+    size: int
+    tokens: int  # the items' own sizes, summed
+    padded_tokens: int  # size x the longest item
+    queue_waits: list[float]  # seconds each item waited, arrival to the batch's start
+    seconds: float  # the batched call's wall time
+    failed: int  # items answered with an exception
+
+
+@dataclass
+class _Waiting:
+    item: object
+    size: int
+    arrival: float
+    future: asyncio.Future
+
+
+class DynamicBatcher(Generic[T, R]):
+    def __init__(self, run: Callable[[list[T]], Sequence[R | BaseException]], size: Callable[[T], int] = lambda _: 1,
+                 *, max_batch_size: int = 64, max_wait_ms: float = 5.0, max_tokens_per_batch: int | None = None,
+                 max_queue_size: int = 4096, on_batch: Callable[[BatchRecord], None] = lambda _: None,
+                 clock: Callable[[], float] = time.monotonic):
+        """run: a batch of items -> one result (or exception) per item, in order. size: an
+        item's length in tokens (what padding and the token budget count)."""
+        if max_batch_size < 1 or max_wait_ms < 0 or max_queue_size < 1:
+            raise ValueError("max_batch_size and max_queue_size must be >= 1 and max_wait_ms >= 0")
+        if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
+            raise ValueError("max_tokens_per_batch must be >= 1")
+        self._run, self._size, self._on_batch, self._clock = run, size, on_batch, clock
+        self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1000
+        self.max_tokens_per_batch, self.max_queue_size = max_tokens_per_batch, max_queue_size
+        self._waiting: list[_Waiting] = []
+        self._running: list[_Waiting] = []
+        self._arrived: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-batcher")
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    async def submit(self, item: T) -> R:
+        """This item's result, once its batch has run; its own exception if it failed."""
+        if len(self._waiting) >= self.max_queue_size:
+            raise QueueFull(f"{len(self._waiting)} items are waiting, the most this batcher queues")
+        self._start()
+        entry = _Waiting(item, self._size(item), self._clock(), asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        self._arrived.set()
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+            raise
+
+    async def close(self) -> None:
+        """Stops the batcher: every caller still waiting for a result gets RuntimeError."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for entry in self._waiting + self._running:
+            if not entry.future.done():
+                entry.future.set_exception(RuntimeError("the batcher was closed"))
+        self._waiting, self._running = [], []
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    def _start(self) -> None:
+        if self._task is None:
+            self._arrived = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="brisk-dynamic-batcher")
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._waiting:
+                self._arrived.clear()
+                await self._arrived.wait()
+            while not self._due():
+                self._arrived.clear()
+                timeout = self._waiting[0].arrival + self.max_wait - self._clock()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), timeout)
+                except TimeoutError:
+                    pass
+            batch = self._running = self._take()
+            if not batch:
+                continue
+            start = self._clock()
+            outcomes = await loop.run_in_executor(self._executor, self._run_each, [e.item for e in batch])
+            seconds = self._clock() - start
+            self._running = []
+            for entry, outcome in zip(batch, outcomes):
+                if entry.future.done():  # the caller was cancelled while its batch ran
+                    continue
+                if isinstance(outcome, BaseException):
+                    entry.future.set_exception(outcome)
+                else:
+                    entry.future.set_result(outcome)
+            sizes = [e.size for e in batch]
+            try:
+                self._on_batch(BatchRecord(len(batch), sum(sizes), len(batch) * max(sizes),
+                                           [start - e.arrival for e in batch], seconds,
+                                           sum(isinstance(o, BaseException) for o in outcomes)))
+            except Exception:  # a broken metrics sink must not stop the batcher
+                logger.exception("on_batch failed")
+
+    def _due(self) -> bool:
+        """Whether a batch should start now: the oldest item has waited long enough, or a full
+        batch is waiting."""
+        if not self._waiting:
+            return True  # nothing to wait for: take() returns no batch and the loop sleeps again
+        if self._clock() - self._waiting[0].arrival >= self.max_wait or len(self._waiting) >= self.max_batch_size:
+            return True
+        return self.max_tokens_per_batch is not None and self._padded(sorted(e.size for e in self._waiting)) \
+            >= self.max_tokens_per_batch
+
+    @staticmethod
+    def _padded(sorted_sizes: list[int]) -> int:
+        return len(sorted_sizes) * sorted_sizes[-1]
+
+    def _take(self) -> list[_Waiting]:
+        """Removes the next batch from the queue (see the module docstring) and returns it; the
+        items in order of length."""
+        self._waiting = [e for e in self._waiting if not e.future.done()]  # cancelled callers
+        if not self._waiting:
+            return []
+        by_size = sorted(self._waiting, key=lambda e: e.size)
+        oldest = by_size.index(self._waiting[0])
+        budget = self.max_tokens_per_batch
+        best, best_key = (oldest, oldest + 1), None
+        for start in range(max(0, oldest - self.max_batch_size + 1), oldest + 1):
+            end = min(len(by_size), start + self.max_batch_size)
+            # Shrink from the long end until the padded batch fits the budget (the oldest stays).
+            while end > oldest + 1 and budget is not None and (end - start) * by_size[end - 1].size > budget:
+                end -= 1
+            count = end - start
+            padding = count * by_size[end - 1].size - sum(e.size for e in by_size[start:end])
+            key = (count, -padding)
+            if best_key is None or key > best_key:
+                best, best_key = (start, end), key
+        batch = by_size[best[0]:best[1]]
+        chosen = set(map(id, batch))
+        self._waiting = [e for e in self._waiting if id(e) not in chosen]
+        return batch
+
+    def _run_each(self, items: list[T]) -> list[R | BaseException]:
+        """The batched call; if it fails as a whole, each item alone, so only the bad ones fail."""
+        try:
+            outcomes = list(self._run(items))
+            if len(outcomes) != len(items):
+                raise RuntimeError(f"the batch function returned {len(outcomes)} results for {len(items)} items")
+            return outcomes
+        except Exception as e:
+            if len(items) == 1:
+                return [e]
+        return [self._run_each([item])[0] for item in items]

@@ -1,0 +1,86 @@
+"""POST /v1/embeddings in OpenAI's shape, answered by the embedding model (brisk/embed/).
+
+Every input of a request is its own item in the DynamicBatcher, so the inputs of many
+concurrent requests share batches, and a request of many inputs is spread over batches of
+similar lengths. Texts are tokenized on a worker thread; token-id inputs are read as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import Callable
+
+import torch
+from fastapi import APIRouter
+
+from brisk.config import EmbeddingConfig
+from brisk.embed.batcher import BatchRecord, DynamicBatcher, QueueFull
+from brisk.embed.embedder import Embedder, InputTooLong
+from brisk.server.errors import APIError
+from brisk.server.protocol import EmbeddingRequest
+
+
+class EmbeddingServing:
+    def __init__(self, embedder: Embedder, config: EmbeddingConfig,
+                 on_batch: Callable[[BatchRecord], None] = lambda _: None):
+        self.embedder = embedder
+        self.batcher: DynamicBatcher[list[int], torch.Tensor] = DynamicBatcher(
+            lambda batch: list(embedder.encode(batch)), len, max_batch_size=config.embedding_max_batch_size,
+            max_wait_ms=config.embedding_max_wait_ms, max_tokens_per_batch=config.embedding_max_batch_tokens,
+            max_queue_size=config.embedding_max_queue_size, on_batch=on_batch)
+
+    @property
+    def model_name(self) -> str:
+        return self.embedder.name
+
+    def model_card(self, created: int) -> dict:
+        return {"id": self.model_name, "object": "model", "created": created, "owned_by": "brisk",
+                "root": self.embedder.path, "max_model_len": self.embedder.max_length}
+
+    async def embeddings(self, body: EmbeddingRequest) -> dict:
+        embedder = self.embedder
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist (embeddings are served by "
+                                f"`{self.model_name}`).", type="not_found_error", param="model", code="model_not_found")
+        if body.dimensions is not None and body.dimensions != embedder.dimensions:
+            raise APIError(400, f"{self.model_name} makes {embedder.dimensions}-dimensional embeddings and cannot "
+                                f"shorten them: omit dimensions, or pass {embedder.dimensions}.", param="dimensions")
+        inputs = body.inputs()
+        try:
+            if isinstance(inputs[0], str):
+                batch = await asyncio.to_thread(embedder.tokenize, inputs, body.truncate)
+            else:
+                batch = embedder.check_ids(inputs, body.truncate)
+        except InputTooLong as e:
+            raise APIError(400, str(e), param="input", code="context_length_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="input") from None
+        batcher = self.batcher
+        if batcher.queue_depth + len(batch) > batcher.max_queue_size:
+            raise APIError(429, f"The server is busy: {batcher.queue_depth} embedding inputs are waiting. Retry "
+                                f"shortly.", type="rate_limit_error", headers={"Retry-After": "1"})
+        try:
+            vectors = await asyncio.gather(*(batcher.submit(ids) for ids in batch))
+        except QueueFull as e:
+            raise APIError(429, f"The server is busy: {e}. Retry shortly.", type="rate_limit_error",
+                           headers={"Retry-After": "1"}) from None
+        tokens = sum(len(ids) for ids in batch)
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "model": self.model_name,
+                "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    """float: a JSON list; base64: the little-endian float32 bytes, as OpenAI sends them."""
+    if encoding_format == "float":
+        return vector.tolist()
+    return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
+
+
+def embedding_router(serving: EmbeddingServing) -> APIRouter:
+    router = APIRouter()
+    router.add_api_route("/v1/embeddings", serving.embeddings, methods=["POST"])
+    return router

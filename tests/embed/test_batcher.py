@@ -1,0 +1,203 @@
+"""The DynamicBatcher with a fake model: which items share a batch, when a batch starts, and
+that every caller gets its own result or its own error."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from brisk.embed.batcher import BatchRecord, DynamicBatcher, QueueFull
+
+
+class Model:
+    """Records each batch (item sizes, in the order run) and answers item -> item * 10. The
+    first batch can be held until release(), so that what arrives meanwhile queues up."""
+
+    def __init__(self, hold_first: bool = False, bad: set[int] = frozenset()):
+        self.batches: list[list[int]] = []
+        self.bad = bad
+        self._gate = threading.Event()
+        if not hold_first:
+            self._gate.set()
+        self.started = threading.Event()
+
+    def __call__(self, items: list[int]) -> list[int]:
+        self.batches.append(list(items))
+        self.started.set()
+        self._gate.wait(10)
+        if self.bad & set(items):
+            raise ValueError(f"bad items {sorted(self.bad & set(items))}")
+        return [item * 10 for item in items]
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+async def _started(model: Model) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, model.started.wait, 10)
+
+
+def _batcher(model, records=None, **options) -> DynamicBatcher:
+    options = dict(max_batch_size=4, max_wait_ms=0.0) | options
+    return DynamicBatcher(model, lambda item: item, on_batch=(records if records is not None else []).append, **options)
+
+
+def test_the_oldest_item_goes_with_its_nearest_lengths():
+    async def run():
+        model = Model(hold_first=True)
+        batcher = _batcher(model)
+        first = asyncio.ensure_future(batcher.submit(5))
+        await _started(model)  # the batch [5] runs (held); everything below queues behind it
+        rest = [asyncio.ensure_future(batcher.submit(size)) for size in (30, 2, 29, 3, 31, 1, 28)]
+        await asyncio.sleep(0.01)
+        model.release()
+        results = await asyncio.gather(first, *rest)
+        await batcher.close()
+        return model.batches, results
+
+    batches, results = asyncio.run(run())
+    # 30 is the oldest waiting: it goes with 28, 29, 31 (padding 6), not 3 (padding 30); then 1, 2, 3.
+    assert batches == [[5], [28, 29, 30, 31], [1, 2, 3]]
+    assert results == [50, 300, 20, 290, 30, 310, 10, 280]
+
+
+def test_the_token_budget_caps_the_padded_batch():
+    async def run():
+        model, records = Model(hold_first=True), []
+        batcher = _batcher(model, records, max_tokens_per_batch=60)
+        first = asyncio.ensure_future(batcher.submit(1))
+        await _started(model)
+        rest = [asyncio.ensure_future(batcher.submit(20)) for _ in range(4)] + [
+            asyncio.ensure_future(batcher.submit(100))]
+        await asyncio.sleep(0.01)
+        model.release()
+        await asyncio.gather(first, *rest)
+        await batcher.close()
+        return model.batches, records
+
+    batches, records = asyncio.run(run())
+    assert batches == [[1], [20, 20, 20], [20], [100]]  # 4 x 20 = 80 padded tokens > 60; 100 runs alone
+    assert [(r.size, r.tokens, r.padded_tokens) for r in records] == [(1, 1, 1), (3, 60, 60), (1, 20, 20),
+                                                                      (1, 100, 100)]
+
+
+def test_padding_is_counted_against_the_longest_item():
+    async def run():
+        model, records = Model(hold_first=True), []
+        batcher = _batcher(model, records)
+        first = asyncio.ensure_future(batcher.submit(1))
+        await _started(model)
+        rest = [asyncio.ensure_future(batcher.submit(size)) for size in (4, 8)]
+        await asyncio.sleep(0.01)
+        model.release()
+        await asyncio.gather(first, *rest)
+        await batcher.close()
+        return records
+
+    records = asyncio.run(run())
+    assert (records[1].size, records[1].tokens, records[1].padded_tokens) == (2, 12, 16)
+
+
+def test_a_lone_item_waits_max_wait_and_a_full_batch_does_not():
+    async def run():
+        records = []
+        batcher = _batcher(Model(), records, max_wait_ms=80.0, max_batch_size=2)
+        await batcher.submit(1)  # alone: its batch starts once it has waited 80 ms
+        await asyncio.gather(batcher.submit(1), batcher.submit(2))  # full at once: no waiting
+        await batcher.close()
+        return records
+
+    records = asyncio.run(run())
+    assert records[0].size == 1 and records[0].queue_waits[0] >= 0.08
+    assert records[1].size == 2 and max(records[1].queue_waits) < 0.08
+
+
+def test_each_caller_gets_its_own_error():
+    async def run():
+        model = Model(hold_first=True, bad={7})
+        batcher = _batcher(model)
+        first = asyncio.ensure_future(batcher.submit(1))
+        await _started(model)
+        rest = [asyncio.ensure_future(batcher.submit(size)) for size in (6, 7, 8)]
+        await asyncio.sleep(0.01)
+        model.release()
+        results = await asyncio.gather(first, *rest, return_exceptions=True)
+        await batcher.close()
+        return model.batches, results
+
+    batches, results = asyncio.run(run())
+    assert results[:2] == [10, 60] and results[3] == 80
+    assert isinstance(results[2], ValueError) and "bad items [7]" in str(results[2])
+    # The batch failed as a whole, so its items ran again alone.
+    assert batches == [[1], [6, 7, 8], [6], [7], [8]]
+
+
+def test_per_item_exceptions_from_the_model_reach_only_their_callers():
+    def model(items):
+        return [ValueError(f"no {i}") if i == 2 else i for i in items]
+
+    async def run():
+        batcher = DynamicBatcher(model, max_batch_size=8, max_wait_ms=20.0)
+        results = await asyncio.gather(*(batcher.submit(i) for i in range(4)), return_exceptions=True)
+        await batcher.close()
+        return results
+
+    results = asyncio.run(run())
+    assert results[0:2] == [0, 1] and results[3] == 3 and str(results[2]) == "no 2"
+
+
+def test_a_cancelled_caller_leaves_the_queue():
+    async def run():
+        model = Model(hold_first=True)
+        batcher = _batcher(model)
+        first = asyncio.ensure_future(batcher.submit(1))
+        await _started(model)
+        gone, kept = asyncio.ensure_future(batcher.submit(2)), asyncio.ensure_future(batcher.submit(3))
+        await asyncio.sleep(0.01)
+        assert batcher.queue_depth == 2
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        assert batcher.queue_depth == 1
+        model.release()
+        results = await asyncio.gather(first, kept)
+        await batcher.close()
+        return model.batches, results, gone.cancelled()
+
+    batches, results, cancelled = asyncio.run(run())
+    assert batches == [[1], [3]] and results == [10, 30] and cancelled
+
+
+def test_a_full_queue_refuses_and_close_fails_every_caller():
+    async def run():
+        model = Model(hold_first=True)
+        batcher = _batcher(model, max_queue_size=2)
+        running = asyncio.ensure_future(batcher.submit(1))
+        await _started(model)
+        waiting = [asyncio.ensure_future(batcher.submit(2)), asyncio.ensure_future(batcher.submit(3))]
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull, match="2 items are waiting"):
+            await batcher.submit(4)
+        closing = asyncio.ensure_future(batcher.close())
+        results = await asyncio.gather(running, *waiting, return_exceptions=True)
+        model.release()  # the held batch ends; close() returns once its thread is done
+        await closing
+        return results
+
+    results = asyncio.run(run())
+    assert [type(r) for r in results] == [RuntimeError] * 3 and all("closed" in str(r) for r in results)
+
+
+def test_records_describe_each_batch():
+    async def run():
+        records: list[BatchRecord] = []
+        batcher = DynamicBatcher(lambda items: [0] * len(items), len, max_batch_size=3, max_wait_ms=30.0,
+                                 on_batch=records.append)
+        await asyncio.gather(*(batcher.submit([0] * n) for n in (2, 3, 4)))
+        await batcher.close()
+        return records
+
+    (record,) = asyncio.run(run())
+    assert (record.size, record.tokens, record.padded_tokens, record.failed) == (3, 9, 12, 0)
+    assert len(record.queue_waits) == 3 and record.seconds >= 0
