@@ -98,9 +98,59 @@ def cmd_embed(args: argparse.Namespace) -> None:
     texts = args.texts if args.texts != ["-"] else [line.rstrip("\n") for line in sys.stdin]
     if not texts:
         raise ConfigError("no texts to embed: pass them as arguments, or - to read one per line from stdin")
-    embedder = Embedder(args.model)
+    embedder = Embedder(args.model, backend=args.backend)
     for i, result in enumerate(embedder.embed(texts, truncate=args.truncate)):
         print(json.dumps({"index": i, "tokens": result.num_tokens, "embedding": result.embedding}))
+
+
+def cmd_quantize_embedder(args: argparse.Namespace) -> None:
+    """The embedding model exported to ONNX (float32, and int8 or fp16 if asked) in a copy of its
+    folder; prints each file's size and how closely its vectors follow the torch encoder's."""
+    import copy
+
+    import torch
+
+    from brisk.bench.perplexity import DEFAULT_TEXT
+    from brisk.bench.workloads import sentences
+    from brisk.embed import onnx_backend
+    from brisk.embed.embedder import Embedder
+
+    if os.path.exists(args.out) and not (os.path.isdir(args.out) and not os.listdir(args.out)):
+        raise ConfigError(f"--out {args.out!r} exists and is not an empty folder: choose a new one")
+    text = args.text or str(DEFAULT_TEXT)
+    if not os.path.exists(text):
+        raise ConfigError(f"no text at {text}: run `make install` (it fetches Pride and Prejudice) or pass --text")
+    source = Embedder(args.model)
+    onnx_backend.copy_model_folder(source.path, args.out)
+    folder = os.path.join(args.out, onnx_backend.ONNX_DIR)
+    files = {"float32": os.path.join(folder, onnx_backend.FLOAT_FILE)}
+    onnx_backend.export(source.model, files["float32"])
+    if args.int8 is not None:
+        files[f"int8 ({args.int8})"] = os.path.join(folder, onnx_backend.INT8_FILE)
+        calibration = None
+        if args.int8 == "static":  # other sentences than the ones agreement is measured on
+            ids = source.tokenize(sentences(args.calibration_sentences, text, seed=1))
+            calibration = [tuple(t.numpy() for t in source.pad(ids[i:i + 16])) for i in range(0, len(ids), 16)]
+        onnx_backend.quantize_int8(files["float32"], files[f"int8 ({args.int8})"], calibration)
+    if args.fp16:
+        files["float16"] = os.path.join(folder, onnx_backend.FP16_FILE)
+        onnx_backend.convert_fp16(files["float32"], files["float16"])
+
+    texts = sentences(args.agreement_sentences, text)
+    expected = torch.tensor([r.embedding for r in source.embed(texts)])
+    weights = os.path.getsize(os.path.join(source.path, "model.safetensors"))
+    print(f"{source.name}: model.safetensors {weights / 1e6:.1f} MB (float32, torch)")
+    print(f"cosine similarity to the torch encoder's vectors on {len(texts)} sentences of {os.path.basename(text)}:")
+    for kind, path in files.items():
+        variant = copy.copy(source)
+        variant.model = onnx_backend.OnnxEncoder(path)
+        got = torch.tensor([r.embedding for r in variant.embed(texts)])
+        cosines = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+        print(f"  {os.path.relpath(path, args.out)} ({kind}): {os.path.getsize(path) / 1e6:.1f} MB, "
+              f"{weights / os.path.getsize(path):.2f}x smaller; cosine mean {cosines.mean().item():.6f}, "
+              f"min {cosines.min().item():.6f}")
+    print(f"{args.out}: serve it with `brisk serve --embedding-model {args.out} --embedding-backend onnx-int8` "
+          f"(or onnx)")
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
@@ -205,7 +255,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a sentence-transformers folder; default: all-MiniLM-L6-v2 (make install)")
     embed.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=True,
                        help="cut texts longer than the model reads (default), or refuse them")
+    embed.add_argument("--backend", default="torch", choices=["torch", "onnx", "onnx-int8"],
+                       help="what runs the model (see brisk serve --embedding-backend)")
     embed.set_defaults(func=cmd_embed)
+
+    qe = sub.add_parser("quantize-embedder", help="export the embedding model to ONNX, optionally int8 or fp16")
+    qe.add_argument("model", nargs="?", default=None,
+                    help="a sentence-transformers folder; default: all-MiniLM-L6-v2 (make install)")
+    qe.add_argument("--format", required=True, choices=["onnx"], help="the export format")
+    qe.add_argument("--int8", choices=["dynamic", "static"], default=None,
+                    help="int8 weights too: activations quantized per batch at run time (dynamic) or calibrated "
+                         "once on sample sentences (static)")
+    qe.add_argument("--fp16", action="store_true", help="a float16 copy too (half the size; slow on most CPUs)")
+    qe.add_argument("--out", required=True, help="folder to write (must be new or empty)")
+    qe.add_argument("--text", default=None, help="sentences for calibration and agreement; default: Pride and "
+                                                  "Prejudice")
+    qe.add_argument("--calibration-sentences", type=int, default=256)
+    qe.add_argument("--agreement-sentences", type=int, default=256)
+    qe.set_defaults(func=cmd_quantize_embedder)
 
     quant = sub.add_parser("quantize", help="write a checkpoint in 8 or 4 bits that loads directly")
     quant.add_argument("model", nargs="?", default=None,

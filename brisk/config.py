@@ -216,6 +216,7 @@ class EngineConfig:
 
 
 EMBEDDING_DISABLED = "none"
+EMBEDDING_BACKENDS = ("torch", "onnx", "onnx-int8")
 
 
 @dataclass
@@ -226,6 +227,10 @@ class EmbeddingConfig:
     embedding_model: str | None = knob(
         None, "A sentence-transformers folder to serve at /v1/embeddings; default: all-MiniLM-L6-v2 (installed by "
               "`make install`); none: no embeddings.")
+    embedding_backend: str = knob(
+        "torch", "What runs the embedding model: torch (brisk's encoder), onnx (ONNX Runtime, float32) or onnx-int8 "
+                 "(ONNX Runtime, int8 weights); the ONNX files are the folder's onnx/ ones (brisk quantize-embedder), "
+                 "else made once at start in ~/.cache/brisk.")
     embedding_max_batch_size: int = knob(64, "Inputs per embedding batch, at most.")
     embedding_max_wait_ms: float = knob(
         5.0, "How long the oldest waiting input may wait for others to join its batch, in ms (under load batches "
@@ -237,6 +242,9 @@ class EmbeddingConfig:
         for name in ("embedding_max_batch_size", "embedding_max_batch_tokens", "embedding_max_queue_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.embedding_backend not in EMBEDDING_BACKENDS:
+            raise ConfigError(f"embedding_backend must be one of {', '.join(EMBEDDING_BACKENDS)}, "
+                              f"got {self.embedding_backend!r}")
         if not self.embedding_max_wait_ms >= 0:
             raise ConfigError(f"embedding_max_wait_ms must be >= 0, got {self.embedding_max_wait_ms}")
 

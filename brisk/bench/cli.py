@@ -67,8 +67,11 @@ def add_bench_parser(sub) -> None:
     em.add_argument("--num-requests", type=int, default=1000)
     em.add_argument("--concurrency", type=int, default=64, help="callers, each with one request in flight")
     em.add_argument("--where", nargs="+", default=["process", "http"], choices=["process", "http"])
+    em.add_argument("--rounds", type=int, default=3, help="passes over the requests per configuration (median)")
     em.add_argument("--max-batch-size", type=int, default=64)
     em.add_argument("--max-wait-ms", type=float, default=5.0)
+    em.add_argument("--backends", nargs="+", default=["torch", "onnx", "onnx-int8"],
+                    choices=["torch", "onnx", "onnx-int8"], help="what runs the model, in process")
     em.add_argument("--model", default=None, help="sentence-transformers folder; default: all-MiniLM-L6-v2")
     em.add_argument("--text", default=None, help="where the sentences are cut from; default: Pride and Prejudice")
     em.add_argument("--startup-timeout", type=float, default=300.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from brisk.model.tokenizer import Message
 
 TOPICS = ["rivers", "the moon", "bread", "volcanoes", "chess", "bees", "glass", "trains"]
@@ -61,3 +63,17 @@ def copy_prompts(num_prompts: int) -> list[list[Message]]:
                                                                         for t in _CODE_TEMPLATES]
     order = [texts[(i * 7) % len(texts)] for i in range(len(texts))]  # mix the kinds
     return [[{"role": "user", "content": order[i % len(order)]}] for i in range(num_prompts)]
+
+
+def sentences(count: int, text_path: str, seed: int = 0) -> list[str]:
+    """`count` runs of 10-40 consecutive words of the text, from seeded places: one-sentence
+    embedding requests."""
+    with open(text_path, encoding="utf-8") as f:
+        words = f.read().split()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        length = rng.randint(10, 40)
+        start = rng.randrange(len(words) - length)
+        out.append(" ".join(words[start:start + length]))
+    return out

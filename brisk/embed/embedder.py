@@ -16,13 +16,16 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import tokenizers
 import torch
 from safetensors.torch import load_file
 
-from brisk.config import ConfigError, EmbeddingConfig
+from brisk.config import EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig
+from brisk.embed.batcher import BatchRecord, DynamicBatcher
 from brisk.embed.encoder import EncoderSpec, SentenceEncoder
+from brisk.embed.onnx_backend import OnnxEncoder, onnx_file
 
 logger = logging.getLogger("brisk.embed")
 
@@ -53,7 +56,7 @@ def load_embedder(config: EmbeddingConfig) -> Embedder | None:
         except FileNotFoundError as e:
             logger.warning("serving no embeddings: %s", e)
             return None
-    return Embedder(config.embedding_model)
+    return Embedder(config.embedding_model, backend=config.embedding_backend)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,11 @@ class Embedding:
 
 
 class Embedder:
-    def __init__(self, path: str | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str | None = None, dtype: torch.dtype = torch.float32, backend: str = "torch"):
+        """backend: torch (brisk's encoder), onnx or onnx-int8 (the encoder exported to ONNX
+        Runtime, float or with int8 weights; see onnx_backend.py)."""
+        if backend not in EMBEDDING_BACKENDS:
+            raise ConfigError(f"embedding backend must be one of {', '.join(EMBEDDING_BACKENDS)}, got {backend!r}")
         self.path = path or default_embedding_model_path()
         if not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ConfigError(f"{self.path} is not a sentence-transformers or BERT folder (no config.json)")
@@ -83,9 +90,15 @@ class Embedder:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.max_length)
         self.pad_token_id = config.get("pad_token_id") or 0
-        self.model = SentenceEncoder(self.spec)
-        self.model.load_weights(load_file(_weights_file(self.path)).items())
-        self.model.to(dtype).eval().requires_grad_(False)
+        encoder = SentenceEncoder(self.spec)
+        encoder.load_weights(load_file(_weights_file(self.path)).items())
+        self.backend = backend
+        if backend == "torch":
+            self.model = encoder.to(dtype).eval().requires_grad_(False)
+        else:
+            if dtype != torch.float32:
+                raise ConfigError(f"the {backend} backend runs the float32 export; its dtype is fixed")
+            self.model = OnnxEncoder(onnx_file(self.path, backend, encoder.eval().requires_grad_(False)))
 
     @property
     def dimensions(self) -> int:
@@ -116,17 +129,31 @@ class Embedder:
             out.append(list(ids[:self.max_length]))
         return out
 
-    @torch.inference_mode()
-    def encode(self, batch: list[list[int]]) -> torch.Tensor:
-        """Token-id lists (as tokenize or check_ids return them) -> [len(batch), dimensions]
-        float32 vectors, in one forward pass over the batch padded to its longest row."""
+    def pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-id lists -> (input_ids, attention_mask) [len(batch), longest], padded on the right."""
         length = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), length), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(batch), length, dtype=torch.long)
         for row, ids in enumerate(batch):
             input_ids[row, :len(ids)] = torch.tensor(ids)
             mask[row, :len(ids)] = 1
-        return self.model(input_ids, mask).float()
+        return input_ids, mask
+
+    @torch.inference_mode()
+    def encode(self, batch: list[list[int]]) -> torch.Tensor:
+        """Token-id lists (as tokenize or check_ids return them) -> [len(batch), dimensions]
+        float32 vectors, in one forward pass over the batch padded to its longest row."""
+        return self.model(*self.pad(batch)).float()
+
+    def batcher(self, config: EmbeddingConfig, on_batch: Callable[[BatchRecord], None] = lambda _: None
+                ) -> DynamicBatcher[list[int], torch.Tensor]:
+        """A DynamicBatcher over `encode` (items: token-id lists, as tokenize returns them;
+        results: their vectors), with config's limits."""
+        return DynamicBatcher(lambda batch: list(self.encode(batch)), len,
+                              max_batch_size=config.embedding_max_batch_size,
+                              max_wait_ms=config.embedding_max_wait_ms,
+                              max_tokens_per_batch=config.embedding_max_batch_tokens,
+                              max_queue_size=config.embedding_max_queue_size, on_batch=on_batch)
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], truncate: bool = True,
               batch_size: int = 64) -> list[Embedding]:

@@ -106,20 +106,23 @@ class SentenceEncoder(nn.Module):
         key_mask = valid[:, None, None, :]
         for layer in self.layers:
             x = layer(x, rows, (batch, length), key_mask)
-        return self._pool(x, rows // length, valid.sum(1), batch)
+        padded = x.new_zeros(batch * length, x.shape[1]).index_copy(0, rows, x).view(batch, length, -1)
+        return self._pool(padded, valid)
 
-    def _pool(self, x: torch.Tensor, sequence: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
-        """Packed token states [tokens, hidden] (`sequence`: each one's row) -> [batch, hidden]."""
-        mode = self.spec.pooling
+    def _pool(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Token states [batch, length, hidden] (zeros where padded) -> [batch, hidden]. Pooling
+        on the padded layout keeps every mode a plain reduction (no scatter with a reduction,
+        which ONNX Runtime's CPU kernels lack in float16)."""
+        mode, lengths = self.spec.pooling, valid.sum(1)
         if mode in ("mean", "mean_sqrt_len"):
-            sums = x.new_zeros(batch, x.shape[1]).index_add_(0, sequence, x)
-            pooled = sums / (lengths if mode == "mean" else lengths.sqrt()).to(x.dtype)[:, None]
+            divisor = lengths if mode == "mean" else lengths.sqrt()
+            pooled = x.sum(1) / divisor.to(x.dtype)[:, None]
         elif mode == "max":
-            pooled = x.new_full((batch, x.shape[1]), -math.inf).scatter_reduce_(
-                0, sequence[:, None].expand_as(x), x, "amax")
-        else:  # cls: each row's first token; lasttoken: its last
-            starts = torch.cumsum(lengths, 0) - lengths
-            pooled = x[starts if mode == "cls" else starts + lengths - 1]
+            pooled = x.masked_fill(~valid[:, :, None], -math.inf).amax(1)
+        elif mode == "cls":
+            pooled = x[:, 0]
+        else:  # lasttoken
+            pooled = x[torch.arange(x.shape[0], device=x.device), lengths - 1]
         return F.normalize(pooled, dim=-1) if self.spec.normalize else pooled
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -16,7 +16,7 @@ import torch
 from fastapi import APIRouter
 
 from brisk.config import EmbeddingConfig
-from brisk.embed.batcher import BatchRecord, DynamicBatcher, QueueFull
+from brisk.embed.batcher import BatchRecord, QueueFull
 from brisk.embed.embedder import Embedder, InputTooLong
 from brisk.server.errors import APIError
 from brisk.server.protocol import EmbeddingRequest
@@ -26,10 +26,7 @@ class EmbeddingServing:
     def __init__(self, embedder: Embedder, config: EmbeddingConfig,
                  on_batch: Callable[[BatchRecord], None] = lambda _: None):
         self.embedder = embedder
-        self.batcher: DynamicBatcher[list[int], torch.Tensor] = DynamicBatcher(
-            lambda batch: list(embedder.encode(batch)), len, max_batch_size=config.embedding_max_batch_size,
-            max_wait_ms=config.embedding_max_wait_ms, max_tokens_per_batch=config.embedding_max_batch_tokens,
-            max_queue_size=config.embedding_max_queue_size, on_batch=on_batch)
+        self.batcher = embedder.batcher(config, on_batch)
 
     @property
     def model_name(self) -> str:
