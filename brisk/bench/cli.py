@@ -10,6 +10,7 @@ import argparse
 import importlib
 
 from brisk.args import add_engine_arguments
+from brisk.config import EMBEDDING_BACKENDS
 
 
 def add_bench_parser(sub) -> None:
@@ -63,6 +64,15 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(so)
     so.set_defaults(func=_main_of("brisk.bench.structured"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    bt = kinds.add_parser("batching", help="offline static vs sorted vs continuous batching on MT-Bench questions")
+    bt.add_argument("--modes", nargs="+", default=["static", "sorted", "continuous"],
+                    choices=["static", "sorted", "continuous"])
+    bt.add_argument("--batch-size", type=int, default=16, help="requests per static or sorted group")
+    bt.add_argument("--output-len", type=int, default=256, help="most tokens per answer (EOS honoured)")
+    bt.add_argument("--questions", default=None, help="MT-Bench question.jsonl; default: data/ (make install)")
+    add_engine_arguments(bt)
+    bt.set_defaults(func=_main_of("brisk.bench.batching"), dtype="float32", kv_cache_memory_gib=2.0)
+
     em = kinds.add_parser("embed", help="embeddings: dynamic batching vs one at a time, in process and over HTTP")
     em.add_argument("--num-requests", type=int, default=1000)
     em.add_argument("--concurrency", type=int, default=64, help="callers, each with one request in flight")
@@ -70,8 +80,8 @@ def add_bench_parser(sub) -> None:
     em.add_argument("--rounds", type=int, default=3, help="passes over the requests per configuration (median)")
     em.add_argument("--max-batch-size", type=int, default=64)
     em.add_argument("--max-wait-ms", type=float, default=5.0)
-    em.add_argument("--backends", nargs="+", default=["torch", "onnx", "onnx-int8"],
-                    choices=["torch", "onnx", "onnx-int8"], help="what runs the model, in process")
+    em.add_argument("--backends", nargs="+", default=list(EMBEDDING_BACKENDS), choices=EMBEDDING_BACKENDS,
+                    help="what runs the model, in process")
     em.add_argument("--model", default=None, help="sentence-transformers folder; default: all-MiniLM-L6-v2")
     em.add_argument("--text", default=None, help="where the sentences are cut from; default: Pride and Prejudice")
     em.add_argument("--startup-timeout", type=float, default=300.0)

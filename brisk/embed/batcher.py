@@ -48,7 +48,7 @@ class BatchRecord:
     failed: int  # items answered with an exception
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: queue membership, not equal items
 class _Waiting:
     item: object
     size: int
@@ -57,6 +57,8 @@ class _Waiting:
 
 
 class DynamicBatcher(Generic[T, R]):
+    """Groups items submitted from many coroutines into batched calls (see the module docstring)."""
+
     def __init__(self, run: Callable[[list[T]], Sequence[R | BaseException]], size: Callable[[T], int] = lambda _: 1,
                  *, max_batch_size: int = 64, max_wait_ms: float = 5.0, max_tokens_per_batch: int | None = None,
                  max_queue_size: int = 4096, on_batch: Callable[[BatchRecord], None] = lambda _: None,
@@ -72,6 +74,7 @@ class DynamicBatcher(Generic[T, R]):
         self.max_tokens_per_batch, self.max_queue_size = max_tokens_per_batch, max_queue_size
         self._waiting: list[_Waiting] = []
         self._running: list[_Waiting] = []
+        self._closed = False
         self._arrived: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-batcher")
@@ -82,21 +85,33 @@ class DynamicBatcher(Generic[T, R]):
 
     async def submit(self, item: T) -> R:
         """This item's result, once its batch has run; its own exception if it failed."""
-        if len(self._waiting) >= self.max_queue_size:
-            raise QueueFull(f"{len(self._waiting)} items are waiting, the most this batcher queues")
+        return (await self.submit_many([item]))[0]
+
+    async def submit_many(self, items: list[T]) -> list[R]:
+        """The results of several items, queued together (all or none: QueueFull if they do not
+        all fit). If one fails, the others leave the queue and its exception is raised."""
+        if self._closed:
+            raise RuntimeError("the batcher was closed")
+        if len(self._waiting) + len(items) > self.max_queue_size:
+            raise QueueFull(f"{len(self._waiting)} items are waiting, and {len(items)} more would pass the "
+                            f"{self.max_queue_size} this batcher queues")
         self._start()
-        entry = _Waiting(item, self._size(item), self._clock(), asyncio.get_running_loop().create_future())
-        self._waiting.append(entry)
+        loop = asyncio.get_running_loop()
+        entries = [_Waiting(item, self._size(item), self._clock(), loop.create_future()) for item in items]
+        self._waiting.extend(entries)
         self._arrived.set()
         try:
-            return await entry.future
-        except asyncio.CancelledError:
-            if entry in self._waiting:
-                self._waiting.remove(entry)
+            return list(await asyncio.gather(*(e.future for e in entries)))
+        except BaseException:  # cancelled, or one item failed: the rest are not waited for
+            for entry in entries:
+                entry.future.cancel()
+            self._waiting = [e for e in self._waiting if not e.future.done()]
             raise
 
     async def close(self) -> None:
-        """Stops the batcher: every caller still waiting for a result gets RuntimeError."""
+        """Stops the batcher: every caller still waiting for a result gets RuntimeError, and
+        later submits are refused."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -110,6 +125,17 @@ class DynamicBatcher(Generic[T, R]):
         if self._task is None:
             self._arrived = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="brisk-dynamic-batcher")
+            self._task.add_done_callback(self._stopped)
+
+    def _stopped(self, task: asyncio.Task) -> None:
+        """The loop ended: on close (cancelled), or by a bug; then nobody may wait forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("the dynamic batcher's loop failed", exc_info=task.exception())
+        self._closed = True
+        for entry in self._waiting + self._running:
+            if not entry.future.done():
+                entry.future.set_exception(RuntimeError(f"the batcher failed: {task.exception()!r}"))
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -140,7 +166,7 @@ class DynamicBatcher(Generic[T, R]):
                     entry.future.set_result(outcome)
             sizes = [e.size for e in batch]
             try:
-                self._on_batch(BatchRecord(len(batch), sum(sizes), len(batch) * max(sizes),
+                self._on_batch(BatchRecord(len(batch), sum(sizes), self._padded(sorted(sizes)),
                                            [start - e.arrival for e in batch], seconds,
                                            sum(isinstance(o, BaseException) for o in outcomes)))
             except Exception:  # a broken metrics sink must not stop the batcher
@@ -150,7 +176,7 @@ class DynamicBatcher(Generic[T, R]):
         """Whether a batch should start now: the oldest item has waited long enough, or a full
         batch is waiting."""
         if not self._waiting:
-            return True  # nothing to wait for: take() returns no batch and the loop sleeps again
+            return True  # its callers were cancelled meanwhile: _take returns no batch, the loop sleeps again
         if self._clock() - self._waiting[0].arrival >= self.max_wait or len(self._waiting) >= self.max_batch_size:
             return True
         return self.max_tokens_per_batch is not None and self._padded(sorted(e.size for e in self._waiting)) \
@@ -171,6 +197,8 @@ class DynamicBatcher(Generic[T, R]):
         budget = self.max_tokens_per_batch
         best, best_key = (oldest, oldest + 1), None
         for start in range(max(0, oldest - self.max_batch_size + 1), oldest + 1):
+            if budget is not None and (oldest + 1 - start) * by_size[oldest].size > budget:
+                continue  # even ending at the oldest, this window's padded batch is over the budget
             end = min(len(by_size), start + self.max_batch_size)
             # Shrink from the long end until the padded batch fits the budget (the oldest stays).
             while end > oldest + 1 and budget is not None and (end - start) * by_size[end - 1].size > budget:

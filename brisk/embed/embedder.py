@@ -22,7 +22,7 @@ import tokenizers
 import torch
 from safetensors.torch import load_file
 
-from brisk.config import EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig
+from brisk.config import ConfigError, EmbeddingConfig
 from brisk.embed.batcher import BatchRecord, DynamicBatcher
 from brisk.embed.encoder import EncoderSpec, SentenceEncoder
 from brisk.embed.onnx_backend import OnnxEncoder, onnx_file
@@ -71,8 +71,7 @@ class Embedder:
     def __init__(self, path: str | None = None, dtype: torch.dtype = torch.float32, backend: str = "torch"):
         """backend: torch (brisk's encoder), onnx or onnx-int8 (the encoder exported to ONNX
         Runtime, float or with int8 weights; see onnx_backend.py)."""
-        if backend not in EMBEDDING_BACKENDS:
-            raise ConfigError(f"embedding backend must be one of {', '.join(EMBEDDING_BACKENDS)}, got {backend!r}")
+        EmbeddingConfig(embedding_backend=backend)  # validates it
         self.path = path or default_embedding_model_path()
         if not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ConfigError(f"{self.path} is not a sentence-transformers or BERT folder (no config.json)")
@@ -107,10 +106,11 @@ class Embedder:
     def tokenize(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Token ids of each text, [CLS] and [SEP] included, cut to max_length."""
         encodings = self.tokenizer.encode_batch(texts)
-        if not truncate:
-            for i, encoding in enumerate(encodings):
-                if encoding.overflowing:
-                    raise InputTooLong(f"input {i} has more than {self.max_length} tokens, the most this model "
+        for i, encoding in enumerate(encodings):
+            if not encoding.ids:  # a tokenizer that adds no [CLS]/[SEP], given an empty text
+                raise ValueError(f"input {i} has no tokens")
+            if encoding.overflowing and not truncate:
+                raise InputTooLong(f"input {i} has more than {self.max_length} tokens, the most this model "
                                        f"reads (pass truncate to cut it)")
         return [e.ids for e in encodings]
 

@@ -48,6 +48,9 @@ class EncoderSpec:
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {config['position_embedding_type']!r} is not supported "
                              f"(absolute positions only)")
+        if config["hidden_size"] % config["num_attention_heads"]:
+            raise ValueError(f"hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
+                             f"{config['num_attention_heads']}")
         if pooling not in POOLING_MODES:
             raise ValueError(f"pooling {pooling!r} is not supported; brisk pools by {', '.join(POOLING_MODES)}")
         return cls(config["vocab_size"], config["hidden_size"], config["num_hidden_layers"],
@@ -56,6 +59,8 @@ class EncoderSpec:
 
 
 class EncoderLayer(nn.Module):
+    """One post-LayerNorm BERT layer over the packed tokens; attention sees them padded."""
+
     def __init__(self, spec: EncoderSpec):
         super().__init__()
         self.num_heads, self.head_dim = spec.num_heads, spec.hidden_size // spec.num_heads

@@ -6,13 +6,15 @@ length dynamic. It goes through torch.export (`dynamo=True`): the TorchScript ex
 the packing of real tokens (`nonzero`) with the example's shapes baked in and gives wrong
 vectors for other batches.
 
-Variants, each a file in the model folder's `onnx/` (sentence-transformers' place for them):
-- `model.onnx`: float32, what the torch encoder computes.
-- `model_int8.onnx`: int8 weights. Dynamic (the default): activations are quantized per batch
+Variants, each a file in the model folder's `onnx/` (sentence-transformers' place for ONNX
+files; brisk's are named apart, since a folder from the Hub may already hold optimum's
+`model.onnx`, which returns token states, not sentence vectors):
+- `brisk_encoder.onnx`: float32, what the torch encoder computes.
+- `brisk_encoder_int8.onnx`: int8 weights. Dynamic (the default): activations are quantized per batch
   at run time, so nothing but the weights is needed. Static: activation ranges are calibrated
   once on sample sentences, which saves the run-time range pass but fixes ranges that real
   inputs may exceed.
-- `model_fp16.onnx`: float16 weights and activations (half the bytes; on CPUs without native
+- `brisk_encoder_fp16.onnx`: float16 weights and activations (half the bytes; on CPUs without native
   fp16 arithmetic, ONNX Runtime converts on the fly and it is slower, so it is for size only).
 
 A folder without them (the default model's, inside its package) gets them made once, at first
@@ -27,6 +29,7 @@ import io
 import logging
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -38,7 +41,8 @@ from brisk.embed.encoder import SentenceEncoder
 logger = logging.getLogger("brisk.embed")
 
 ONNX_DIR = "onnx"
-FLOAT_FILE, INT8_FILE, FP16_FILE = "model.onnx", "model_int8.onnx", "model_fp16.onnx"
+FLOAT_FILE, INT8_FILE, FP16_FILE = "brisk_encoder.onnx", "brisk_encoder_int8.onnx", "brisk_encoder_fp16.onnx"
+_INPUTS, _OUTPUTS = ["input_ids", "attention_mask"], ["embeddings"]
 BACKEND_FILES = {"onnx": FLOAT_FILE, "onnx-int8": INT8_FILE}  # --embedding-backend -> the file it runs
 
 
@@ -49,8 +53,8 @@ def export(encoder: SentenceEncoder, path: str) -> None:
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the exporter's progress lines
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(encoder, (input_ids, mask), input_names=["input_ids", "attention_mask"],
-                                    output_names=["embeddings"], dynamo=True, verbose=False,
+        program = torch.onnx.export(encoder, (input_ids, mask), input_names=_INPUTS,
+                                    output_names=_OUTPUTS, dynamo=True, verbose=False,
                                     dynamic_shapes=({0: batch, 1: length}, {0: batch, 1: length}))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     program.save(path, external_data=False)
@@ -101,18 +105,27 @@ def convert_fp16(source: str, target: str) -> None:
 class OnnxEncoder:
     """An exported encoder in an ONNX Runtime session, called as SentenceEncoder is."""
 
-    def __init__(self, path: str, threads: int | None = None):
+    def __init__(self, path: str):
         import onnxruntime
 
+        from brisk.config import ConfigError
+
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads or torch.get_num_threads()
+        options.intra_op_num_threads = torch.get_num_threads()
         options.inter_op_num_threads = 1
+        # ONNX Runtime's threads spin between ops (its default): with spinning off, batched
+        # throughput fell 12% (int8: 1.34x torch instead of 1.58x, `brisk bench embed`). Whether
+        # the spinning costs `brisk serve`'s engine and event loop more than that is not measured.
         self.path = path
         self.session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        inputs, outputs = [i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]
+        if inputs != _INPUTS or outputs != _OUTPUTS:
+            raise ConfigError(f"{path} is not a brisk encoder export (inputs {inputs}, outputs {outputs}): make one "
+                              f"with `brisk quantize-embedder`")
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        (vectors,) = self.session.run(["embeddings"], {"input_ids": input_ids.numpy(),
-                                                       "attention_mask": attention_mask.numpy()})
+        (vectors,) = self.session.run(_OUTPUTS, {"input_ids": input_ids.numpy(),
+                                                 "attention_mask": attention_mask.numpy()})
         return torch.from_numpy(vectors)
 
 
@@ -123,7 +136,7 @@ def onnx_file(folder: str, backend: str, encoder: SentenceEncoder) -> str:
     own = os.path.join(folder, ONNX_DIR, name)
     if os.path.isfile(own):
         return own
-    cache = _cache_folder(folder)
+    cache = _cache_folder(folder, encoder)
     path = os.path.join(cache, name)
     if not os.path.isfile(path):
         float_path = os.path.join(cache, FLOAT_FILE)
@@ -136,12 +149,15 @@ def onnx_file(folder: str, backend: str, encoder: SentenceEncoder) -> str:
     return path
 
 
-def _cache_folder(folder: str) -> str:
-    """brisk's cache for this model's ONNX files: keyed by the weights file's path, size and
-    modification time, so a changed model gets new files."""
+def _cache_folder(folder: str, encoder: SentenceEncoder) -> str:
+    """brisk's cache for this model's ONNX files. The key covers what the export depends on: the
+    weights file (path, size, modification time), the encoder's spec (pooling and
+    normalization are in the graph) and this module and the encoder's code."""
     weights = os.path.join(folder, "model.safetensors")
     stat = os.stat(weights)
-    key = hashlib.sha256(f"{os.path.realpath(weights)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    code = b"".join(Path(module).read_bytes() for module in (__file__, sys.modules[SentenceEncoder.__module__].__file__))
+    key = hashlib.sha256(f"{os.path.realpath(weights)}:{stat.st_size}:{stat.st_mtime_ns}:{encoder.spec}".encode()
+                         + code).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return os.path.join(root, "brisk", "onnx", f"{os.path.basename(os.path.normpath(folder))}-{key}")
 

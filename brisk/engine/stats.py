@@ -81,3 +81,38 @@ class EngineSnapshot:
 
 class StatLogger(Protocol):
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None: ...
+
+
+@dataclass(frozen=True)
+class BatchMetrics:
+    """How an offline run used its batches (`LLM.generate(..., batching=...)`): the seeds'
+    BatchMetrics, measured on the engine."""
+
+    batching: str  # continuous, static or sorted
+    requests: int
+    output_tokens: int
+    seconds: float
+    steps: int  # engine steps that advanced any sequence
+    mean_batch_size: float  # sequences advanced per step
+    utilization: float  # mean_batch_size over the slots a step has (the group size, or max_num_seqs)
+    # Static and sorted groups: the share of the positions a padded batch computes (each row as
+    # long as its group's longest prompt plus longest output) that are padding. brisk packs
+    # prompts and drops finished rows, so it computes none of them; what a group costs it is the
+    # slots its finished rows leave idle until the longest is done. Continuous: 0.
+    padding_ratio: float
+    mean_latency: float  # seconds from the start of the run to each request's last token
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+class StepSizes:
+    """A StatLogger that keeps how many sequences each step advanced."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
+        if iteration.num_sequences:
+            self.sizes.append(iteration.num_sequences)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import uuid
 from typing import Callable
 
@@ -21,8 +22,12 @@ from brisk.embed.embedder import Embedder, InputTooLong
 from brisk.server.errors import APIError
 from brisk.server.protocol import EmbeddingRequest
 
+logger = logging.getLogger("brisk.server")
+
 
 class EmbeddingServing:
+    """The embedding model behind /v1/embeddings: validation, the batcher, the response shape."""
+
     def __init__(self, embedder: Embedder, config: EmbeddingConfig,
                  on_batch: Callable[[BatchRecord], None] = lambda _: None):
         self.embedder = embedder
@@ -55,14 +60,17 @@ class EmbeddingServing:
         except ValueError as e:
             raise APIError(400, str(e), param="input") from None
         batcher = self.batcher
-        if batcher.queue_depth + len(batch) > batcher.max_queue_size:
-            raise APIError(429, f"The server is busy: {batcher.queue_depth} embedding inputs are waiting. Retry "
-                                f"shortly.", type="rate_limit_error", headers={"Retry-After": "1"})
+        if len(batch) > batcher.max_queue_size:
+            raise APIError(400, f"{len(batch)} inputs are more than this server queues at once "
+                                f"({batcher.max_queue_size}): split the request.", param="input")
         try:
-            vectors = await asyncio.gather(*(batcher.submit(ids) for ids in batch))
+            vectors = await batcher.submit_many(batch)
         except QueueFull as e:
             raise APIError(429, f"The server is busy: {e}. Retry shortly.", type="rate_limit_error",
                            headers={"Retry-After": "1"}) from None
+        except Exception as e:  # the model failed on an input that passed validation
+            logger.exception("the embedding model failed")
+            raise APIError(500, f"The embedding model failed: {type(e).__name__}.", type="server_error") from None
         tokens = sum(len(ids) for ids in batch)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "model": self.model_name,
                 "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}

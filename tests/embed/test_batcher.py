@@ -44,59 +44,67 @@ def _batcher(model, records=None, **options) -> DynamicBatcher:
     return DynamicBatcher(model, lambda item: item, on_batch=(records if records is not None else []).append, **options)
 
 
-def test_the_oldest_item_goes_with_its_nearest_lengths():
+def _behind_a_held_batch(first: int, sizes: tuple[int, ...], **options):
+    """Runs `first` alone, held, while `sizes` queue up behind it in that order; then lets it
+    go. (batches run, each item's result or exception, batch records)."""
     async def run():
-        model = Model(hold_first=True)
-        batcher = _batcher(model)
-        first = asyncio.ensure_future(batcher.submit(5))
-        await _started(model)  # the batch [5] runs (held); everything below queues behind it
-        rest = [asyncio.ensure_future(batcher.submit(size)) for size in (30, 2, 29, 3, 31, 1, 28)]
+        model, records = Model(hold_first=True, bad=options.pop("bad", frozenset())), []
+        batcher = _batcher(model, records, **options)
+        held = asyncio.ensure_future(batcher.submit(first))
+        await _started(model)
+        rest = [asyncio.ensure_future(batcher.submit(size)) for size in sizes]
         await asyncio.sleep(0.01)
         model.release()
-        results = await asyncio.gather(first, *rest)
+        results = await asyncio.gather(held, *rest, return_exceptions=True)
         await batcher.close()
-        return model.batches, results
+        return model.batches, results, records
 
-    batches, results = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_the_oldest_item_goes_with_its_nearest_lengths():
+    batches, results, _ = _behind_a_held_batch(5, (30, 2, 29, 3, 31, 1, 28))
     # 30 is the oldest waiting: it goes with 28, 29, 31 (padding 6), not 3 (padding 30); then 1, 2, 3.
     assert batches == [[5], [28, 29, 30, 31], [1, 2, 3]]
     assert results == [50, 300, 20, 290, 30, 310, 10, 280]
 
 
 def test_the_token_budget_caps_the_padded_batch():
-    async def run():
-        model, records = Model(hold_first=True), []
-        batcher = _batcher(model, records, max_tokens_per_batch=60)
-        first = asyncio.ensure_future(batcher.submit(1))
-        await _started(model)
-        rest = [asyncio.ensure_future(batcher.submit(20)) for _ in range(4)] + [
-            asyncio.ensure_future(batcher.submit(100))]
-        await asyncio.sleep(0.01)
-        model.release()
-        await asyncio.gather(first, *rest)
-        await batcher.close()
-        return model.batches, records
-
-    batches, records = asyncio.run(run())
+    batches, _, records = _behind_a_held_batch(1, (20, 20, 20, 20, 100), max_tokens_per_batch=60)
     assert batches == [[1], [20, 20, 20], [20], [100]]  # 4 x 20 = 80 padded tokens > 60; 100 runs alone
     assert [(r.size, r.tokens, r.padded_tokens) for r in records] == [(1, 1, 1), (3, 60, 60), (1, 20, 20),
                                                                       (1, 100, 100)]
 
 
-def test_padding_is_counted_against_the_longest_item():
+def test_an_oldest_item_over_the_budget_with_others_runs_alone():
+    batches, _, _ = _behind_a_held_batch(1, (40, 10, 10, 10), max_tokens_per_batch=60)
+    # 40 is the oldest: with any 10 it would pad to 80 > 60, so it goes alone; then the 10s.
+    assert batches == [[1], [40], [10, 10, 10]]
+
+
+def test_submit_many_queues_all_or_nothing_and_a_closed_batcher_refuses():
     async def run():
-        model, records = Model(hold_first=True), []
-        batcher = _batcher(model, records)
+        model = Model(hold_first=True)
+        batcher = _batcher(model, max_queue_size=3)
         first = asyncio.ensure_future(batcher.submit(1))
         await _started(model)
-        rest = [asyncio.ensure_future(batcher.submit(size)) for size in (4, 8)]
+        with pytest.raises(QueueFull, match="4 more would pass the 3"):
+            await batcher.submit_many([2, 3, 4, 5])
+        assert batcher.queue_depth == 0  # none of them was queued
+        many = asyncio.ensure_future(batcher.submit_many([2, 3]))
         await asyncio.sleep(0.01)
         model.release()
-        await asyncio.gather(first, *rest)
+        results = await asyncio.gather(first, many)
         await batcher.close()
-        return records
+        with pytest.raises(RuntimeError, match="closed"):
+            await batcher.submit(6)
+        return results
 
-    records = asyncio.run(run())
+    assert asyncio.run(run()) == [10, [20, 30]]
+
+
+def test_padding_is_counted_against_the_longest_item():
+    _, _, records = _behind_a_held_batch(1, (4, 8))
     assert (records[1].size, records[1].tokens, records[1].padded_tokens) == (2, 12, 16)
 
 
@@ -115,19 +123,7 @@ def test_a_lone_item_waits_max_wait_and_a_full_batch_does_not():
 
 
 def test_each_caller_gets_its_own_error():
-    async def run():
-        model = Model(hold_first=True, bad={7})
-        batcher = _batcher(model)
-        first = asyncio.ensure_future(batcher.submit(1))
-        await _started(model)
-        rest = [asyncio.ensure_future(batcher.submit(size)) for size in (6, 7, 8)]
-        await asyncio.sleep(0.01)
-        model.release()
-        results = await asyncio.gather(first, *rest, return_exceptions=True)
-        await batcher.close()
-        return model.batches, results
-
-    batches, results = asyncio.run(run())
+    batches, results, _ = _behind_a_held_batch(1, (6, 7, 8), bad={7})
     assert results[:2] == [10, 60] and results[3] == 80
     assert isinstance(results[2], ValueError) and "bad items [7]" in str(results[2])
     # The batch failed as a whole, so its items ran again alone.

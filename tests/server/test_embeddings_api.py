@@ -107,8 +107,30 @@ def test_concurrent_requests_share_batches_and_a_bad_one_costs_no_one(embed_url,
     assert after["brisk:embedding_queue_depth"] == 0
 
 
-def test_a_full_queue_answers_429(embed_url):
-    response = httpx.post(f"{embed_url}/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": ["x"] * 65},
-                          timeout=30)
-    assert response.status_code == 429 and response.headers["retry-after"] == "1"
-    assert response.json()["error"]["type"] == "rate_limit_error"
+def test_a_full_queue_answers_429_and_too_many_inputs_400(embed_url, real_embedder, monkeypatch):
+    import threading
+
+    too_many = httpx.post(f"{embed_url}/v1/embeddings", json={"input": ["x"] * 65}, timeout=30)
+    assert too_many.status_code == 400 and "split the request" in too_many.json()["error"]["message"]
+    gate, encode = threading.Event(), real_embedder.encode
+
+    def held(batch):  # the model is busy until released: what arrives meanwhile queues
+        gate.wait(30)
+        return encode(batch)
+
+    monkeypatch.setattr(real_embedder, "encode", held)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=embed_url, timeout=60) as http:
+            busy = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": "x"}))
+            await asyncio.sleep(0.2)  # its batch is running (held)
+            full = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": ["y"] * 64}))
+            await asyncio.sleep(0.2)  # 64 inputs wait: the queue is full
+            refused = await http.post("/v1/embeddings", json={"input": "z"})
+            gate.set()
+            return refused, await busy, await full
+
+    refused, busy, full = asyncio.run(run())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert busy.status_code == full.status_code == 200 and len(full.json()["data"]) == 64
