@@ -44,14 +44,22 @@ def _batcher(model, records=None, **options) -> DynamicBatcher:
     return DynamicBatcher(model, lambda item: item, on_batch=(records if records is not None else []).append, **options)
 
 
+async def _held(first: int = 1, records=None, bad=frozenset(), **options):
+    """A batcher whose first batch ([first]) runs, held until model.release(): whatever is
+    submitted next queues behind it. (model, batcher, the first item's future)"""
+    model = Model(hold_first=True, bad=bad)
+    batcher = _batcher(model, records, **options)
+    held = asyncio.ensure_future(batcher.submit(first))
+    await _started(model)
+    return model, batcher, held
+
+
 def _behind_a_held_batch(first: int, sizes: tuple[int, ...], **options):
     """Runs `first` alone, held, while `sizes` queue up behind it in that order; then lets it
     go. (batches run, each item's result or exception, batch records)."""
     async def run():
-        model, records = Model(hold_first=True, bad=options.pop("bad", frozenset())), []
-        batcher = _batcher(model, records, **options)
-        held = asyncio.ensure_future(batcher.submit(first))
-        await _started(model)
+        records = []
+        model, batcher, held = await _held(first, records, **options)
         rest = [asyncio.ensure_future(batcher.submit(size)) for size in sizes]
         await asyncio.sleep(0.01)
         model.release()
@@ -84,10 +92,7 @@ def test_an_oldest_item_over_the_budget_with_others_runs_alone():
 
 def test_submit_many_queues_all_or_nothing_and_a_closed_batcher_refuses():
     async def run():
-        model = Model(hold_first=True)
-        batcher = _batcher(model, max_queue_size=3)
-        first = asyncio.ensure_future(batcher.submit(1))
-        await _started(model)
+        model, batcher, first = await _held(max_queue_size=3)
         with pytest.raises(QueueFull, match="4 more would pass the 3"):
             await batcher.submit_many([2, 3, 4, 5])
         assert batcher.queue_depth == 0  # none of them was queued
@@ -146,10 +151,7 @@ def test_per_item_exceptions_from_the_model_reach_only_their_callers():
 
 def test_a_cancelled_caller_leaves_the_queue():
     async def run():
-        model = Model(hold_first=True)
-        batcher = _batcher(model)
-        first = asyncio.ensure_future(batcher.submit(1))
-        await _started(model)
+        model, batcher, first = await _held()
         gone, kept = asyncio.ensure_future(batcher.submit(2)), asyncio.ensure_future(batcher.submit(3))
         await asyncio.sleep(0.01)
         assert batcher.queue_depth == 2
@@ -167,10 +169,7 @@ def test_a_cancelled_caller_leaves_the_queue():
 
 def test_a_full_queue_refuses_and_close_fails_every_caller():
     async def run():
-        model = Model(hold_first=True)
-        batcher = _batcher(model, max_queue_size=2)
-        running = asyncio.ensure_future(batcher.submit(1))
-        await _started(model)
+        model, batcher, running = await _held(max_queue_size=2)
         waiting = [asyncio.ensure_future(batcher.submit(2)), asyncio.ensure_future(batcher.submit(3))]
         await asyncio.sleep(0.01)
         with pytest.raises(QueueFull, match="2 items are waiting"):
