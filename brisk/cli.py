@@ -13,7 +13,7 @@ import os
 import sys
 
 from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
-from brisk.config import EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig, EngineConfig, ServerConfig
+from brisk.config import EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig
 from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
 from brisk.llm import BATCHING_MODES
@@ -82,12 +82,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from brisk.server.app import build_app
     from brisk.server.process import serve
 
+    from brisk.cache.response_cache import open_response_cache
+
     server_config = config_from_args(ServerConfig, args)
     embedding_config = config_from_args(EmbeddingConfig, args)
+    cache_config = config_from_args(ResponseCacheConfig, args)
     embedder = load_embedder(embedding_config)
+    response_cache = open_response_cache(cache_config, embedder.dimensions if embedder else None)
     engine = _start_engine(engine_config_from_args(args), server_config)
-    serve(build_app(engine, server_config, embedder=embedder, embedding_config=embedding_config), engine,
-          server_config)
+    serve(build_app(engine, server_config, embedder=embedder, embedding_config=embedding_config,
+                    response_cache=response_cache, cache_config=cache_config), engine, server_config)
 
 
 def cmd_embed(args: argparse.Namespace) -> None:
@@ -259,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_config_arguments(serve, ServerConfig, "server options")
     add_config_arguments(serve, EmbeddingConfig, "embedding model options")
+    add_config_arguments(serve, ResponseCacheConfig, "response cache options")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 

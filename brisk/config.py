@@ -1,8 +1,8 @@
-"""EngineConfig, EmbeddingConfig and ServerConfig: the one place every knob lives.
+"""EngineConfig, EmbeddingConfig, ResponseCacheConfig and ServerConfig: the one place every knob lives.
 
 The CLI, the offline `LLM` API and the server all build an EngineConfig; `brisk serve` adds a
-ServerConfig for what only the HTTP front end needs, and an EmbeddingConfig for the embedding
-model it serves beside the generation model. Command-line flags are generated from
+ServerConfig for what only the HTTP front end needs, an EmbeddingConfig for the embedding
+model it serves beside the generation model, and a ResponseCacheConfig for its response cache. Command-line flags are generated from
 these fields, so a knob is added here once and appears everywhere. Names follow vLLM's where
 vLLM has the same knob.
 """
@@ -253,6 +253,46 @@ class EmbeddingConfig:
         return self.embedding_model != EMBEDDING_DISABLED
 
 
+def default_data_dir() -> str:
+    """Where brisk keeps what outlives a process: $XDG_DATA_HOME/brisk, else ~/.local/share/brisk."""
+    return os.path.join(os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "brisk")
+
+
+@dataclass
+class ResponseCacheConfig:
+    """The response cache of `brisk serve` (brisk/cache/): whole answers to repeated requests."""
+
+    response_cache: bool = knob(
+        True, "Answer repeated deterministic requests (temperature 0 or a seed; others with \"cache\": true) from "
+              "the response cache, exactly or by meaning.")
+    cache_url: str | None = knob(
+        None, "Where cached responses live: sqlite:///PATH or redis://HOST:PORT[/DB]; default: "
+              "DATA_DIR/response_cache.sqlite3.")
+    data_dir: str | None = knob(None, "Folder for brisk's files; default: $XDG_DATA_HOME/brisk or ~/.local/share/brisk.")
+    cache_semantic: bool = knob(
+        True, "Also serve a cached answer to a question that means the same (needs the embedding model).")
+    cache_similarity_threshold: float = knob(
+        0.95, "Least cosine similarity of a semantic hit (requests may ask for their own, \"cache_similarity_threshold\").")
+    cache_ttl_seconds: float = knob(86400.0, "How long a cached response is served, in seconds.")
+    cache_max_entries: int = knob(100_000, "Cached responses kept; past this the least recently used go.")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cache_similarity_threshold <= 1:
+            raise ConfigError(f"cache_similarity_threshold must be in (0, 1], got {self.cache_similarity_threshold}")
+        if not self.cache_ttl_seconds > 0:
+            raise ConfigError(f"cache_ttl_seconds must be > 0, got {self.cache_ttl_seconds}")
+        if self.cache_max_entries < 1:
+            raise ConfigError(f"cache_max_entries must be >= 1, got {self.cache_max_entries}")
+        if self.cache_url is not None and not self.cache_url.startswith(("sqlite://", "redis://", "rediss://",
+                                                                         "unix://")):
+            raise ConfigError(f"cache_url must be sqlite:///PATH or redis://HOST:PORT[/DB], got {self.cache_url!r}")
+
+    @property
+    def url(self) -> str:
+        return self.cache_url or "sqlite://" + os.path.join(self.data_dir or default_data_dir(),
+                                                            "response_cache.sqlite3")
+
+
 @dataclass
 class ServerConfig:
     """The HTTP front end: where it listens, who may call it, and how much work it accepts."""
@@ -260,8 +300,12 @@ class ServerConfig:
     host: str = knob("127.0.0.1", "Address to listen on.")
     port: int = knob(8000, "Port to listen on.")
     api_key: str | None = knob(None, "Require `Authorization: Bearer KEY` on every route but /health and /metrics.")
+    api_keys_file: str | None = knob(
+        None, "A file of API keys, one `KEY TENANT` per line (# starts a comment): each key is accepted, and its "
+              "tenant partitions the response cache. Without keys, the X-Tenant header names the tenant.")
     admin_api_key: str | None = knob(
-        None, "Key for admin routes (DELETE /v1/cache); default: api_key. Without either key they are open.")
+        None, "Key that may clear every tenant's cached responses and the prefix cache (DELETE /v1/cache); other "
+              "callers clear only their own tenant's. Default: api_key. Without any key, every caller may.")
     served_model_name: list[str] | None = knob(
         None, "Model id in the API, or several: the first is the id responses report, and requests naming any "
               "of them are served (aliases); default: the checkpoint's file name.")

@@ -87,6 +87,16 @@ def add_bench_parser(sub) -> None:
     em.add_argument("--startup-timeout", type=float, default=300.0)
     em.set_defaults(func=_main_of("brisk.bench.embed"))
 
+    rc = kinds.add_parser("cache", help="response cache over HTTP: hit latency with 10,000 entries, false and "
+                                        "paraphrase hits, on SQLite and Redis")
+    rc.add_argument("--stores", nargs="+", default=["sqlite", "redis"], choices=["sqlite", "redis"])
+    rc.add_argument("--entries", type=int, default=10_000, help="cached answers before the measured requests")
+    rc.add_argument("--rounds", type=int, default=3, help="passes over the stored questions for hit latency")
+    rc.add_argument("--embedding-backend", default="onnx", choices=EMBEDDING_BACKENDS,
+                    help="what embeds lookups in the server (onnx: 5 ms a question here, torch 13 ms)")
+    rc.add_argument("--startup-timeout", type=float, default=300.0)
+    rc.set_defaults(func=_main_of("brisk.bench.cache"))
+
     sp = kinds.add_parser("spec", help="speculative decoding (ngram, self-drafts, Medusa) vs plain decoding")
     sp.add_argument("--methods", nargs="+", default=["ngram", "self-int8", "self-int4"],
                     choices=["ngram", "self-int8", "self-int4"])

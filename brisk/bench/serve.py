@@ -66,10 +66,13 @@ def run_offline(config: EngineConfig, prompts: list[list[Message]], params: Samp
 
 
 @contextmanager
-def brisk_serve(flags: list[str], server: ServerConfig, startup_timeout: float) -> Iterator[str]:
+def brisk_serve(flags: list[str], server: ServerConfig, startup_timeout: float,
+                response_cache: bool = False) -> Iterator[str]:
     """A `brisk serve` subprocess with these flags (the server's among them) until the block
-    ends; yields its base URL once /health answers."""
-    command = [sys.executable, "-m", "brisk.cli", "serve", *flags]
+    ends; yields its base URL once /health answers. Its response cache is off unless asked
+    for: a benchmark that repeats requests measures the engine, not the cache."""
+    command = [sys.executable, "-m", "brisk.cli", "serve", *flags,
+               *(() if response_cache else ("--no-response-cache",))]
     base_url = f"http://{server.host}:{server.port}"
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

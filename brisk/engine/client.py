@@ -9,6 +9,8 @@ tokenizer) is captured once, at construction, so reading it never crosses a thre
 from __future__ import annotations
 
 import abc
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
@@ -51,6 +53,10 @@ class ModelInfo:
     hidden_size: int
     num_heads: int
     num_kv_heads: int
+    # What the output depends on, hashed: the checkpoint's files (path, size, modification time)
+    # and the settings that change the numbers. The response cache keys on it, so an answer is
+    # never served by a server whose model or settings would have answered differently.
+    identity: str = ""
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "ModelInfo":
@@ -68,8 +74,17 @@ class ModelInfo:
             kv_cache_dtype=config.kv_cache_kind,
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
+            num_kv_heads=spec.num_kv_heads, identity=_identity(engine),
         )
+
+
+def _identity(engine: "LLMEngine") -> str:
+    path, config = os.path.realpath(engine.checkpoint.path), engine.config
+    files = sorted(os.scandir(path), key=lambda e: e.name) if os.path.isdir(path) else [path]
+    stats = [(os.fspath(f), (st := os.stat(f)).st_size, st.st_mtime_ns) for f in files if os.path.isfile(f)]
+    settings = (str(engine.dtype), config.quantization, config.quantization_group_size, config.kv_cache_kind,
+                config.speculative_config and config.speculative_config.to_json(), config.seed)
+    return hashlib.sha256(json.dumps([stats, settings], default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

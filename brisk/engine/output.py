@@ -54,6 +54,29 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Folds one DELTA output into those before it: after the last, the result is what a
+    FINAL_ONLY request would have returned (the response cache stores a streamed answer so)."""
+    if total is None:
+        total = replace(delta, outputs=[])
+    completions = {c.index: c for c in total.outputs}
+    for c in delta.outputs:
+        if c.index not in completions:
+            completions[c.index] = replace(c, token_ids=list(c.token_ids),
+                                           logprobs=None if c.logprobs is None else list(c.logprobs))
+            continue
+        done = completions[c.index]
+        done.text += c.text
+        done.token_ids += c.token_ids
+        if c.logprobs is not None:
+            done.logprobs = (done.logprobs or []) + c.logprobs
+        done.cumulative_logprob, done.finish_reason, done.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                         c.stop_reason)
+    return replace(total, outputs=sorted(completions.values(), key=lambda c: c.index), finished=delta.finished,
+                   metrics=delta.metrics, num_cached_tokens=delta.num_cached_tokens,
+                   prompt_logprobs=total.prompt_logprobs if total.prompt_logprobs is not None else delta.prompt_logprobs)
+
+
 @dataclass
 class _Sequence:
     """What has been produced for one of a request's n completions."""

@@ -4,7 +4,7 @@
     POST /v1/embeddings                              OpenAI's shape, the embedding model (embedding_api.py)
     GET  /v1/models, /v1/models/{id}                 every served name (aliases), or one of them
     POST /v1/generate, /v1/generate/batch            brisk's simple generation API   (service_api.py)
-    GET  /v1/cache/stats, DELETE /v1/cache           KV and prefix cache figures / eviction
+    GET  /v1/cache/stats, DELETE /v1/cache           KV, prefix and response cache figures / clearing
     GET  /v1/model/info                              what is being served, and how
     POST /tokenize, /detokenize                      vLLM's shapes: text or messages  (tokenizer_api.py)
     GET  /tokenizer_info, /version                   the tokenizer's configuration; brisk's version
@@ -13,6 +13,8 @@
 
 The app talks to the engine through the EngineClient interface only; handlers queue requests
 and await outputs, so the event loop stays free to accept connections while the model computes.
+With a response cache, the generation routes look requests up before the engine sees them
+(caching.py), in the caller's tenant (middleware.py).
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from brisk.config import EmbeddingConfig, ServerConfig
+from brisk.cache.response_cache import ResponseCache
+from brisk.config import EmbeddingConfig, ResponseCacheConfig, ServerConfig
 from brisk.embed.embedder import Embedder
 from brisk.engine.client import EngineClient
 from brisk.server.embedding_api import EmbeddingServing, embedding_router
 from brisk.server.errors import ErrorResponse, error_body, install_error_handlers
 from brisk.server.metrics import PrometheusStatLogger
-from brisk.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from brisk.server.caching import ResponseCaching, model_scope
+from brisk.server.middleware import DEFAULT_TENANT, APIKeyMiddleware, BodySizeLimitMiddleware, read_api_keys
 from brisk.server.openai_api import openai_router
-from brisk.server.service_api import ADMIN_ROUTES, service_router
+from brisk.server.service_api import service_router
 from brisk.server.serving import Serving
 from brisk.server.tokenizer_api import tokenizer_router
 
@@ -40,9 +44,11 @@ OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key, for probe
 
 
 def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_engine: bool = True,
-              embedder: Embedder | None = None, embedding_config: EmbeddingConfig | None = None) -> FastAPI:
-    """An app serving `engine`, and `embedder` at /v1/embeddings when given. With owns_engine,
-    shutting the app down stops the engine."""
+              embedder: Embedder | None = None, embedding_config: EmbeddingConfig | None = None,
+              response_cache: ResponseCache | None = None, cache_config: ResponseCacheConfig | None = None) -> FastAPI:
+    """An app serving `engine`, `embedder` at /v1/embeddings when given, and answering from
+    `response_cache` when given (semantically too, with an embedder). With owns_engine,
+    shutting the app down stops the engine; the app always closes the response cache."""
     config = config or ServerConfig()
     model_names = config.served_model_name or [engine.model_info.name]
     metrics = PrometheusStatLogger(model_names[0])
@@ -51,6 +57,11 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     if embedder is not None:
         embeddings = EmbeddingServing(embedder, embedding_config or EmbeddingConfig(), metrics.record_embedding_batch)
         metrics.embedding_queue_depth.set_function(lambda: embeddings.batcher.queue_depth)
+    caching = None
+    if response_cache is not None:
+        caching = ResponseCaching(response_cache, cache_config or ResponseCacheConfig(),
+                                  model_scope(model_names[0], engine.model_info.identity), embedder)
+        caching.on_hit = metrics.watch_response_cache(caching.stats)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -60,19 +71,24 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
             engine.remove_stat_logger(metrics)
             if embeddings is not None:
                 await embeddings.batcher.close()
+            if caching is not None:
+                await caching.close()
             if owns_engine:
                 engine.shutdown()
 
     app = FastAPI(title="brisk", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(APIKeyMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key,
-                       open_paths=OPEN_PATHS, admin_routes=ADMIN_ROUTES)
+    keys = read_api_keys(config.api_keys_file) if config.api_keys_file else {}
+    if config.api_key:
+        keys[config.api_key] = DEFAULT_TENANT
+    app.add_middleware(APIKeyMiddleware, keys=keys, admin_api_key=config.admin_api_key or config.api_key,
+                       open_paths=OPEN_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     serving = Serving(engine, config, model_names)
-    app.include_router(openai_router(serving, embeddings))
+    app.include_router(openai_router(serving, embeddings, caching))
     if embeddings is not None:
         app.include_router(embedding_router(embeddings))
-    app.include_router(service_router(serving))
+    app.include_router(service_router(serving, caching))
     app.include_router(tokenizer_router(serving))
 
     @app.get("/health", response_class=PlainTextResponse,

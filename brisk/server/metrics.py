@@ -6,7 +6,10 @@ counted, so each figure comes from the event itself. The registry is per server,
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from brisk.embed.batcher import BatchRecord
 from brisk.engine.stats import EngineSnapshot, IterationStats
@@ -70,6 +73,39 @@ class PrometheusStatLogger:
         self.embedding_batch_time = histogram("embedding_batch_seconds", "Wall time of one embedding batch.",
                                               _WAIT_BUCKETS)
         self.embedding_queue_depth = gauge("embedding_queue_depth", "Embedding inputs waiting for a batch.")
+
+    def watch_response_cache(self, stats: Callable[[], dict]) -> Callable[[str, float], None]:
+        """Exposes the response cache's figures (`stats`: ResponseCaching.stats) at each scrape;
+        returns the callback that records each hit's latency."""
+        labels = self._labels
+        hit_seconds = Histogram("brisk:response_cache_hit_seconds", "Time to find a response-cache hit, embedding "
+                                "included.", labelnames=[*labels, "kind"], buckets=_WAIT_BUCKETS,
+                                registry=self.registry)
+
+        class Collector:
+            def collect(self):
+                s = stats()
+                families = []
+                for name, doc, by_kind in (("hits", "Requests answered from the response cache.", s["hits"]),
+                                           ("misses", "Response-cache lookups that found nothing.", s["misses"])):
+                    family = CounterMetricFamily(f"brisk:response_cache_{name}", doc, labels=[*labels, "kind"])
+                    for kind, count in by_kind.items():
+                        family.add_metric([*labels.values(), kind], count)
+                    families.append(family)
+                for name, doc, value, kind in (
+                        ("guard_rejections", "Semantic candidates over the threshold that the guard refused.",
+                         s["guard_rejections"], CounterMetricFamily),
+                        ("evictions", "Cached responses dropped by TTL or the size cap.", s["evictions"],
+                         CounterMetricFamily),
+                        ("entries", "Cached responses in the store.", s["entries"], GaugeMetricFamily),
+                        ("bytes", "Bytes of cached responses in the store.", s["bytes"], GaugeMetricFamily)):
+                    family = kind(f"brisk:response_cache_{name}", doc, labels=list(labels))
+                    family.add_metric(list(labels.values()), value)
+                    families.append(family)
+                return families
+
+        self.registry.register(Collector())
+        return lambda kind, seconds: hit_seconds.labels(**labels, kind=kind).observe(seconds)
 
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
         self.running.set(snapshot.num_running)

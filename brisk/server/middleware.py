@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: API keys and the request body size limit.
+"""Pure ASGI middleware: API keys and tenants, and the request body size limit.
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware (`@app.middleware("http")`): that one
 runs the route in a separate task behind its own receive channel, so a route never learns
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from brisk.server.errors import error_body
@@ -34,32 +36,82 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return next((v for k, v in scope["headers"] if k == name), None)
 
 
+DEFAULT_TENANT = "default"
+TENANT_HEADER = b"x-tenant"
+_TENANT = re.compile(rb"[A-Za-z0-9_.:@-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the routes see it (`request.state.caller`)."""
+
+    tenant: str  # partitions the response cache
+    admin: bool  # may act on every tenant (DELETE /v1/cache)
+
+
+def read_api_keys(path: str) -> dict[str, str]:
+    """`KEY TENANT` per line, `#` comments and blank lines skipped; a key listed twice is an error."""
+    keys: dict[str, str] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) != 2 or not _TENANT.fullmatch(fields[1].encode()):
+                raise ValueError(f"{path}:{number}: expected `KEY TENANT` (a tenant of letters, digits and _.:@-, at "
+                                 f"most 64), got {line.strip()!r}")
+            if fields[0] in keys:
+                raise ValueError(f"{path}:{number}: the key is listed twice")
+            keys[fields[0]] = fields[1]
+    return keys
+
+
 class APIKeyMiddleware:
     """`Authorization: Bearer KEY` (the scheme in any case, as HTTP allows) on every route but
-    the open ones; admin routes take the admin key. Keys are compared in constant time."""
+    the open ones, when keys are configured. Keys are compared in constant time.
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None, open_paths: set[str],
-                 admin_routes: set[tuple[str, str]]):
-        self.app, self.open_paths, self.admin_routes = app, open_paths, admin_routes
-        self.api_key = api_key.encode() if api_key else None
-        self.admin_api_key = admin_api_key.encode() if admin_api_key else self.api_key
+    Every request gets a Caller (`request.state.caller`). With keys, its tenant is the key's,
+    and nothing the client sends can change it; without keys, the X-Tenant header names it
+    (default "default"), which is only as trustworthy as the clients: give each tenant a key
+    where that matters. The admin key makes an admin caller; so does every request on a server
+    with no keys at all."""
+
+    def __init__(self, app: ASGIApp, keys: dict[str, str], admin_api_key: str | None, open_paths: set[str]):
+        self.app, self.open_paths = app, open_paths
+        self.keys = [(key.encode(), tenant) for key, tenant in keys.items()]
+        self.admin_api_key = admin_api_key.encode() if admin_api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            admin = (scope["method"], scope["path"]) in self.admin_routes
-            expected = self.admin_api_key if admin else self.api_key
-            if expected is not None and not self._authorized(scope, expected):
-                which = "the admin API key" if admin and expected != self.api_key else "the API key"
-                await send_error(send, 401, f"Invalid or missing API key: send `Authorization: Bearer <key>` with "
-                                            f"{which}.", "invalid_request_error", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
+            caller = self._caller(scope)
+            if caller is None:
+                await send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                                 "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return
+            if not self.keys and (tenant := _header(scope, TENANT_HEADER)) is not None:
+                if not _TENANT.fullmatch(tenant):
+                    await send_error(send, 400, "X-Tenant must be 1 to 64 letters, digits or _.:@-.",
+                                     "invalid_request_error")
+                    return
+                caller = Caller(tenant.decode(), caller.admin)
+            scope.setdefault("state", {})["caller"] = caller
         await self.app(scope, receive, send)
 
-    @staticmethod
-    def _authorized(scope: Scope, expected: bytes) -> bool:
+    def _caller(self, scope: Scope) -> Caller | None:
+        """The caller a request's key makes it, or None if a key is needed and it has none that fits."""
         scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        if self.admin_api_key is not None and hmac.compare_digest(token, self.admin_api_key):
+            return Caller(DEFAULT_TENANT, admin=True)
+        tenant = None
+        for key, key_tenant in self.keys:  # every key is compared, so the time taken names none of them
+            if hmac.compare_digest(token, key):
+                tenant = key_tenant
+        if tenant is not None:
+            return Caller(tenant, admin=False)
+        if self.keys:
+            return None
+        return Caller(DEFAULT_TENANT, admin=self.admin_api_key is None)
 
 
 class _BodyTooLarge(Exception):

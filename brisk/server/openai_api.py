@@ -16,8 +16,10 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from brisk.engine.output import CompletionOutput, RequestOutput
+from brisk.cache.keys import canonical
+from brisk.engine.output import CompletionOutput, RequestOutput, accumulate
 from brisk.sample.logprobs import TokenLogprobs
+from brisk.server.caching import Cacheable, CacheLookup, ResponseCaching, deterministic, fields, lookup
 from brisk.server.embedding_api import EmbeddingServing
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,10 +27,11 @@ from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, s
 from brisk.server.tools import ToolCallParser, parse_tool_calls, tool_grammar
 
 
-def openai_router(serving: Serving, embeddings: EmbeddingServing | None = None) -> APIRouter:
+def openai_router(serving: Serving, embeddings: EmbeddingServing | None = None,
+                  caching: ResponseCaching | None = None) -> APIRouter:
     """The generation routes, and /v1/models listing the embedding model too when one is served."""
     router = APIRouter()
-    api = OpenAIServing(serving, embeddings)
+    api = OpenAIServing(serving, embeddings, caching)
     router.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/completions", api.completions, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -38,8 +41,8 @@ def openai_router(serving: Serving, embeddings: EmbeddingServing | None = None) 
 
 
 class OpenAIServing:
-    def __init__(self, serving: Serving, embeddings: EmbeddingServing | None):
-        self.serving, self.embeddings = serving, embeddings
+    def __init__(self, serving: Serving, embeddings: EmbeddingServing | None, caching: ResponseCaching | None):
+        self.serving, self.embeddings, self.caching = serving, embeddings, caching
         self.model_name = serving.model_name
 
     async def models(self) -> dict:
@@ -64,6 +67,10 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
         serving.check_model(body.model)
+        cached = await lookup(self.caching, http, chat_cacheable(body))
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if cached.hit is not None:
+            return self._replay(body, cached, request_id, created, self._replay_chat)
         prompt_ids = await serving.render_chat(body)
         constraint, forced = body.structured_outputs_spec(), tool_grammar(body)
         if constraint is not None and forced is not None:
@@ -74,23 +81,57 @@ class OpenAIServing:
                            param="prompt_logprobs")
         params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
                                       constraint or forced)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt)
-        created = int(time.time())
         tools = _ToolCalls({t.function.name for t in body.tools or []} if body.tool_choice != "none" else set(),
                            forced is not None)
         if body.stream:
-            return sse(self._chat_stream(body, streams[0], request_id, created, tools))
+            return sse(self._chat_stream(body, streams[0], request_id, created, tools, cached), cached.headers)
         finals = await serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)
-        final = finals[0]
-        choices = [_chat_choice(body, c, tools) for c in final.outputs]
+        response = self._chat_response(body, finals[0], tools, request_id, created)
+        if _complete(finals):
+            await cached.save(response)
+        return JSONResponse(response, headers=cached.headers)
+
+    def _chat_response(self, body: ChatCompletionRequest, final: RequestOutput, tools: "_ToolCalls", request_id: str,
+                       created: int) -> dict:
         response = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
-                    "choices": choices, "usage": _usage([final])}
+                    "choices": [_chat_choice(body, c, tools) for c in final.outputs], "usage": _usage([final])}
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = _vllm_prompt_logprobs(final.prompt_logprobs)
-        return JSONResponse(response)
+        return response
+
+    # ----- answers from the response cache ---------------------------------------------------
+    def _replay(self, body, cached: CacheLookup, response_id: str, created: int, stream_events) -> Response:
+        """The cached response under this request's id and time; streamed if the request streams."""
+        response = {**cached.hit.response, "id": response_id, "created": created}
+        if body.stream:
+            return sse(stream_events(body, response), cached.headers)
+        return JSONResponse(response, headers=cached.headers)
+
+    async def _replay_chat(self, body: ChatCompletionRequest, response: dict) -> AsyncIterator[dict]:
+        """A cached chat completion as the chunks a live one streams: the role, then each
+        choice's whole content (and tool calls) in one delta, then usage if asked."""
+        chunk = self._chunker(body, "chat.completion.chunk", response["id"], response["created"])
+        yield chunk([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for c in response["choices"]])
+        for c in response["choices"]:
+            message = c["message"]
+            delta = {"content": message["content"]} if message.get("content") else {}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            yield chunk([{"index": c["index"], "delta": delta, "logprobs": c["logprobs"],
+                          "finish_reason": c["finish_reason"]}])
+        if body.include_usage:
+            yield chunk([], response["usage"])
+
+    async def _replay_completion(self, body: CompletionRequest, response: dict) -> AsyncIterator[dict]:
+        chunk = self._chunker(body, "text_completion", response["id"], response["created"])
+        for c in response["choices"]:
+            yield chunk([c])
+        if body.include_usage:
+            yield chunk([], response["usage"])
 
     def _chunker(self, body, object_name: str, request_id: str, created: int):
         """Builds the stream's chunks; with include_usage every chunk carries `usage` (null until the last)."""
@@ -104,14 +145,15 @@ class OpenAIServing:
         return chunk
 
     async def _chat_stream(self, body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput],
-                           request_id: str, created: int, tools: "_ToolCalls") -> AsyncIterator[dict]:
+                           request_id: str, created: int, tools: "_ToolCalls",
+                           cached: CacheLookup) -> AsyncIterator[dict]:
         chunk = self._chunker(body, "chat.completion.chunk", request_id, created)
         parsers = {i: ToolCallParser(tools.names, tools.forced) for i in range(body.n)} if tools.names else {}
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
-        completion_tokens, last = 0, None
+        completion_tokens, last, final = 0, None, None
         async for out in outputs:
-            last = out
+            last, final = out, accumulate(final, out)
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -125,6 +167,8 @@ class OpenAIServing:
                                 "finish_reason": finish_reason})
             if choices:
                 yield chunk(choices)
+        if final is not None and _complete([final]):
+            await cached.save(self._chat_response(body, final, tools, request_id, created))
         if body.include_usage and last is not None:
             yield chunk([], _usage_counts(len(last.prompt_token_ids), completion_tokens, last.num_cached_tokens))
 
@@ -136,6 +180,10 @@ class OpenAIServing:
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
+        cached = await lookup(self.caching, http, _completion_cacheable(body, prompts))
+        base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if cached.hit is not None:
+            return self._replay(body, cached, base_id, created, self._replay_completion)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
         for i, ids in zip(texts, await serving.tokenize([prompts[i] for i in texts], "prompt")):
             prompts[i] = ids
@@ -143,29 +191,36 @@ class OpenAIServing:
         requested = 1 if body.scores_only else body.requested_max_tokens()  # one token made, then dropped
         params = [body.sampling_params(serving.max_tokens(requested, len(ids), "prompt"), constraint)
                   for ids in prompts]
-        base_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await serving.submit(prompts, params, base_id, body.cache_salt)
-        created = int(time.time())
         if body.stream:
-            return sse(self._completion_stream(body, streams, base_id, created))
+            return sse(self._completion_stream(body, streams, base_id, created, cached), cached.headers)
         finals = await serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)
+        response = self._completion_response(body, finals, base_id, created)
+        if _complete(finals):
+            await cached.save(response)
+        return JSONResponse(response, headers=cached.headers)
+
+    def _completion_response(self, body: CompletionRequest, finals: list[RequestOutput], base_id: str,
+                             created: int) -> dict:
         choices = [self._completion_choice(body, i * body.n + c.index, final, c)
                    for i, final in enumerate(finals) for c in final.outputs]
         usage = _usage(finals)
         if body.scores_only:
             usage = _usage_counts(usage["prompt_tokens"], 0, usage["prompt_tokens_details"]["cached_tokens"])
-        return JSONResponse({"id": base_id, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": usage})
+        return {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": usage}
 
     async def _completion_stream(self, body: CompletionRequest, streams: Streams, base_id: str,
-                                 created: int) -> AsyncIterator[dict]:
+                                 created: int, cached: CacheLookup) -> AsyncIterator[dict]:
         chunk = self._chunker(body, "text_completion", base_id, created)
         echoed: set[tuple[int, int]] = set()  # (prompt, completion) pairs whose prompt went out
         prompt_logprobs: dict[int, list] = {}  # per prompt: they come with its first output only
-        prompt_tokens, completion_tokens, cached = 0, 0, 0
+        prompt_tokens, completion_tokens, cached_tokens = 0, 0, 0
+        finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
+            finals[i] = accumulate(finals.get(i), out)
             if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
             out = replace(out, prompt_logprobs=prompt_logprobs.get(i))
@@ -178,10 +233,13 @@ class OpenAIServing:
                 choices.append(self._completion_choice(body, i * body.n + c.index, out, c, first))
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
-                cached += out.num_cached_tokens
+                cached_tokens += out.num_cached_tokens
             yield chunk(choices)
+        if len(finals) == len(streams) and _complete(list(finals.values())):
+            await cached.save(self._completion_response(body, [finals[i] for i in range(len(streams))], base_id,
+                                                        created))
         if body.include_usage:
-            yield chunk([], _usage_counts(prompt_tokens, completion_tokens, cached))
+            yield chunk([], _usage_counts(prompt_tokens, completion_tokens, cached_tokens))
 
     def _completion_choice(self, body: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
                            first: bool = True) -> dict:
@@ -218,6 +276,39 @@ class OpenAIServing:
 
 
 # ----- helpers --------------------------------------------------------------------------------
+def chat_cacheable(body: ChatCompletionRequest) -> Cacheable:
+    """The last message is matched by meaning when it is a user's text; every earlier turn, and
+    a last message of any other kind, must match exactly."""
+    *earlier, last = body.messages
+    semantic = last.role == "user"
+    context = [_message(m) for m in (earlier if semantic else body.messages)]
+    return Cacheable(route="chat", params=fields(body, "messages"), context=context,
+                     text=last.text if semantic else "", semantic=semantic, deterministic=deterministic(body),
+                     opt=body.cache, threshold=body.cache_similarity_threshold)
+
+
+def _message(message) -> dict:
+    """A message as the key sees it: content parts joined, as the template receives them."""
+    return {**message.model_dump(exclude={"content"}, exclude_none=True), "content": message.text}
+
+
+def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]]) -> Cacheable | None:
+    """One prompt per request is cached (a batch of prompts is not). Token-id prompts, echo and
+    prompt logprobs are about the prompt itself, so they match exactly only."""
+    if len(prompts) != 1:
+        return None
+    [prompt] = prompts
+    text = prompt if isinstance(prompt, str) else canonical(prompt)
+    semantic = isinstance(prompt, str) and not body.echo and body.prompt_logprobs is None
+    return Cacheable(route="completions", params=fields(body, "prompt"), context=None, text=text, semantic=semantic,
+                     deterministic=deterministic(body), opt=body.cache, threshold=body.cache_similarity_threshold)
+
+
+def _complete(finals: list[RequestOutput]) -> bool:
+    """Every completion ended by itself (not aborted): an answer worth storing."""
+    return all(f.finished and all(c.finish_reason not in (None, "abort") for c in f.outputs) for f in finals)
+
+
 @dataclass
 class _ToolCalls:
     names: set[str]  # the functions whose calls are parsed out of the text; empty: none are

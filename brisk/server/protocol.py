@@ -156,6 +156,9 @@ class _SamplingFields(_Body):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # brisk's response cache (server/caching.py): true caches a sampled request too, false bypasses it
+    cache: bool | None = None
+    cache_similarity_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -277,7 +280,10 @@ class GenerateRequest(_Body):
     max_tokens: int = BRISK_DEFAULTS.max_tokens
     temperature: float = BRISK_DEFAULTS.temperature
     stream: bool = False
+    # none: no prefix sharing; basic: prefix caching; full: the response cache too
     optimization: Literal["none", "basic", "full"] = "basic"
+    cache: bool | None = None  # with optimization=full, as on the OpenAI routes
+    cache_similarity_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
 
 
 class GenerateBatchRequest(_Body):

@@ -2,15 +2,19 @@
 
     POST   /v1/generate          {prompt, max_tokens, temperature, stream, optimization}
     POST   /v1/generate/batch    {prompts, max_tokens, temperature}, run concurrently
-    GET    /v1/cache/stats       KV blocks and prefix-cache figures
-    DELETE /v1/cache             evicts every cached prefix block no request holds (admin key)
+    GET    /v1/cache/stats       KV blocks, prefix-cache and response-cache figures
+    DELETE /v1/cache[?tenant=T]  clears cached responses (and, for all tenants, every cached prefix
+                                 block no request holds); callers who are not admin clear their own tenant's
     GET    /v1/model/info        what is served, and how
 
-Sampling defaults here are brisk's (BRISK_DEFAULTS, shared with the CLI), not OpenAI's.
+/v1/generate's optimization levels: none (no prefix sharing), basic (prefix caching), full
+(prefix caching and the response cache). Sampling defaults here are brisk's (BRISK_DEFAULTS,
+shared with the CLI), not OpenAI's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import AsyncIterator
@@ -20,15 +24,15 @@ from fastapi.responses import JSONResponse, Response
 
 from brisk.engine.output import RequestOutput
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
+from brisk.server.caching import Cacheable, ResponseCaching, caller, lookup
+from brisk.server.errors import APIError
 from brisk.server.protocol import GenerateBatchRequest, GenerateRequest
 from brisk.server.serving import STREAMING_RESPONSES, Serving, sse
 
-ADMIN_ROUTES = {("DELETE", "/v1/cache")}
 
-
-def service_router(serving: Serving) -> APIRouter:
+def service_router(serving: Serving, caching: ResponseCaching | None = None) -> APIRouter:
     router = APIRouter()
-    api = ServiceAPI(serving)
+    api = ServiceAPI(serving, caching)
     router.add_api_route("/v1/generate", api.generate, methods=["POST"], responses=STREAMING_RESPONSES)
     router.add_api_route("/v1/generate/batch", api.generate_batch, methods=["POST"])
     router.add_api_route("/v1/cache/stats", api.cache_stats, methods=["GET"])
@@ -38,8 +42,8 @@ def service_router(serving: Serving) -> APIRouter:
 
 
 class ServiceAPI:
-    def __init__(self, serving: Serving):
-        self.serving = serving
+    def __init__(self, serving: Serving, caching: ResponseCaching | None):
+        self.serving, self.caching = serving, caching
         self.engine = serving.engine
 
     def _params(self, max_tokens: int, temperature: float, prompt_len: int, param: str,
@@ -49,6 +53,21 @@ class ServiceAPI:
 
     async def generate(self, body: GenerateRequest, http: Request) -> Response:
         start = time.monotonic()
+        request = None if body.optimization != "full" else Cacheable(
+            route="generate", params={"max_tokens": body.max_tokens, "temperature": body.temperature}, context=None,
+            text=body.prompt, semantic=True, deterministic=body.temperature == 0, opt=body.cache,
+            threshold=body.cache_similarity_threshold)
+        cached = await lookup(self.caching, http, request)
+        if cached.hit is not None:
+            answer = {**cached.hit.response, "latency_ms": (time.monotonic() - start) * 1000}
+            if not body.stream:
+                return JSONResponse(answer, headers=cached.headers)
+
+            async def replay():
+                yield {"text": answer["text"]}
+                yield {**answer, "done": True}
+
+            return sse(replay(), cached.headers)
         [prompt_ids] = await self.serving.tokenize([body.prompt], "prompt")
         params = self._params(body.max_tokens, body.temperature, len(prompt_ids), "prompt",
                               OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
@@ -62,20 +81,27 @@ class ServiceAPI:
 
         if body.stream:
             async def events(outputs: AsyncIterator[RequestOutput]):
-                text, tokens = [], 0
+                text, tokens, finish_reason = [], 0, None
                 async for out in outputs:
                     delta = out.outputs[0]
                     text.append(delta.text)
                     tokens += len(delta.token_ids)
+                    finish_reason = delta.finish_reason
                     yield {"text": delta.text}
-                yield {**result("".join(text), tokens), "done": True}
+                answer = result("".join(text), tokens)
+                if finish_reason not in (None, "abort"):
+                    await cached.save(answer)
+                yield {**answer, "done": True}
 
-            return sse(events(stream))
+            return sse(events(stream), cached.headers)
         finals = await self.serving.collect(http, [stream])
         if finals is None:
             return Response(status_code=499)
         completion = finals[0].outputs[0]
-        return JSONResponse(result(completion.text, len(completion.token_ids)))
+        answer = result(completion.text, len(completion.token_ids))
+        if completion.finish_reason != "abort":
+            await cached.save(answer)
+        return JSONResponse(answer, headers=cached.headers)
 
     async def generate_batch(self, body: GenerateBatchRequest, http: Request) -> Response:
         start = time.monotonic()
@@ -96,7 +122,9 @@ class ServiceAPI:
     async def cache_stats(self) -> dict:
         s = await self.engine.stats()
         info = self.engine.model_info
+        responses = await asyncio.to_thread(self.caching.stats) if self.caching is not None else {"enabled": False}
         return {
+            "response_cache": responses,
             "kv_cache": {"block_size": info.block_size, "total_blocks": s.num_kv_blocks,
                          "used_blocks": s.num_kv_blocks - s.num_free_kv_blocks, "free_blocks": s.num_free_kv_blocks,
                          "usage": s.kv_cache_usage},
@@ -107,8 +135,18 @@ class ServiceAPI:
                              "evictions": s.prefix_cache_evictions},
         }
 
-    async def clear_cache(self) -> dict:
-        return {"evicted_blocks": await self.engine.clear_prefix_cache()}
+    async def clear_cache(self, http: Request, tenant: str | None = None) -> dict:
+        """An admin clears one tenant's responses, or every response and the prefix cache; any
+        other caller clears its own tenant's responses (the prefix cache is everyone's)."""
+        who = caller(http)
+        if not who.admin:
+            if tenant is not None and tenant != who.tenant:
+                raise APIError(403, "Only the admin API key may clear another tenant's cached responses.",
+                               type="permission_error", param="tenant")
+            tenant = who.tenant
+        removed = await asyncio.to_thread(self.caching.cache.clear, tenant) if self.caching is not None else 0
+        blocks = await self.engine.clear_prefix_cache() if tenant is None else 0
+        return {"evicted_blocks": blocks, "removed_responses": removed, "tenant": tenant}
 
     async def model_info(self) -> dict:
         info = self.engine.model_info
@@ -126,4 +164,5 @@ class ServiceAPI:
             "enable_prefix_caching": info.enable_prefix_caching,
             "layers": info.num_layers, "hidden_size": info.hidden_size, "num_heads": info.num_heads,
             "num_kv_heads": info.num_kv_heads, "vocab_size": info.vocab_size,
+            "identity": info.identity,
         }

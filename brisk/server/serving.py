@@ -162,7 +162,7 @@ class Serving:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def sse(events: AsyncIterator[dict], headers: dict[str, str] | None = None) -> StreamingResponse:
     """Server-sent events ending in `data: [DONE]`, also when the events fail: then an error
     event comes first (as vLLM sends it), never a connection cut mid-stream."""
 
@@ -179,7 +179,8 @@ def sse(events: AsyncIterator[dict]) -> StreamingResponse:
             yield f"data: {json.dumps(error_body(f'Internal error: {type(exc).__name__}.', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(encode(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(encode(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                               **(headers or {})})
 
 
 async def merge(streams: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -30,11 +30,12 @@ def free_port() -> str:
 
 
 @contextmanager
-def running_server(engine: EngineClient, embedder=None, embedding_config=None, **server_options):
-    """Serves `engine` (and `embedder` at /v1/embeddings) on a free port until the block ends
-    (ServerConfig fields as keywords); yields the base URL."""
+def running_server(engine: EngineClient, embedder=None, embedding_config=None, response_cache=None,
+                   cache_config=None, **server_options):
+    """Serves `engine` (and `embedder` at /v1/embeddings, and `response_cache`) on a free port
+    until the block ends (ServerConfig fields as keywords); yields the base URL."""
     app = build_app(engine, ServerConfig(**server_options), owns_engine=False, embedder=embedder,
-                    embedding_config=embedding_config)
+                    embedding_config=embedding_config, response_cache=response_cache, cache_config=cache_config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -27,7 +27,7 @@ def _start(folder: str, grace: float, engine_flag: str) -> tuple[subprocess.Pope
     process = subprocess.Popen(
         [sys.executable, "-m", "brisk.cli", "serve", "--model", folder, "--port", str(port), "--dtype", "float32",
          "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-grace-seconds", str(grace),
-         "--log-level", "info", engine_flag],
+         "--log-level", "info", "--no-response-cache", engine_flag],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -1,0 +1,111 @@
+"""The second check on a semantic candidate: do two questions ask the same thing?
+
+A small sentence embedder puts "how do I delete my account" and "how do I create my account"
+at cosine 0.9+, and "convert Celsius to Fahrenheit" against its reverse at 0.995: the words
+barely change, the meaning flips. Word embeddings cannot tell antonyms from synonyms either
+(MiniLM: faster/slower 0.88, faster/quicker 0.91), so this check is lexical, and it errs
+towards a miss: a miss costs one model run, a false hit serves a wrong answer.
+
+Two texts agree when, after normalization (case, contractions, number words, a Snowball
+stem), they have
+  - the same negations, counted ("is it safe" / "is it not safe"),
+  - the same numbers ("2018" / "2022", "type 1" / "type 2"),
+  - the same relation words: particles and prepositions that change meaning ("turn on" /
+    "turn off", "before" / "after", "with" / "without"),
+  - the same content words, up to a short table of interchangeable terms (max = maximum,
+    quickest = fastest; SYNONYMS) and compounds written apart ("wi-fi" = "wifi"),
+  - and those content words in the same order, which is what catches swapped roles
+    ("from London to New York" / "from New York to London").
+Function words, question words and politeness ("please", "can you tell me") may differ.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import snowballstemmer
+
+NEGATIONS = frozenset("not no never none nothing nobody nowhere neither nor without cannot".split())
+# Particles and prepositions whose change changes the question.
+RELATIONS = frozenset("out off up down over under above below before after with from than between against during "
+                      "inside outside".split())
+# Words whose change leaves the question the same: articles, auxiliaries and modals, pronouns,
+# question words, light prepositions, politeness.
+FUNCTION_WORDS = frozenset("""
+    a an the is are was were be been being am do does did doing done has have had having
+    can could would should will shall may might must allowed able okay ok possible
+    i me my mine myself you your yours we us our it its they them their this that these those
+    there here what which who whom whose when where why how time
+    of for in on at into onto about to by as and or but if so just also really
+    please tell hi hello hey thanks thank want wanted like know need way any some
+""".split())
+NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve".split())}
+# Groups of interchangeable terms in questions: abbreviations and plain synonyms. Antonyms and
+# co-hyponyms (monday/friday, python/java) must never be here.
+SYNONYMS = [
+    {"max", "maximum"}, {"min", "minimum"}, {"info", "information"}, {"app", "application"},
+    {"pic", "picture", "photo"}, {"doc", "document"}, {"config", "configuration"}, {"repo", "repository"},
+    {"quick", "fast"}, {"quicker", "faster"}, {"quickest", "fastest"}, {"big", "large"}, {"bigger", "larger"},
+    {"biggest", "largest"}, {"little", "small"}, {"advantage", "benefit", "pro"},
+    {"disadvantage", "downside", "drawback", "con"}, {"raise", "increase"}, {"purchase", "buy"},
+    {"begin", "start"}, {"fix", "repair"}, {"price", "cost"}, {"car", "automobile"}, {"invite", "invitation"},
+    {"log", "sign"}, {"update", "change", "modify"}, {"erase", "delete"}, {"help", "assist"},
+    {"correct", "right"}, {"mistake", "error"}, {"movie", "film"}, {"phone", "cellphone", "smartphone"},
+]
+_CONTRACTIONS = [(re.compile(p), r) for p, r in (
+    (r"\bcan't\b", "can not"), (r"\bwon't\b", "will not"), (r"\bshan't\b", "shall not"), (r"n't\b", " not"),
+    (r"'(s|re|m|ll|d|ve)\b", ""))]
+_WORD = re.compile(r"[a-z0-9]+")
+_stemmer = snowballstemmer.stemmer("english")
+_CANONICAL = {_stemmer.stemWord(word): min(_stemmer.stemWord(w) for w in group)
+              for group in SYNONYMS for word in group}
+
+
+@dataclass(frozen=True)
+class _Reading:
+    negations: tuple[str, ...]
+    numbers: tuple[str, ...]
+    relations: frozenset[str]
+    content: tuple[str, ...]  # canonical stems, in order
+    letters: str  # the content words' letters run together: "wi-fi" and "wifi" give the same
+
+
+@lru_cache(maxsize=65536)
+def _read(text: str) -> _Reading:
+    text = text.lower().replace("\u2019", "'")
+    for pattern, replacement in _CONTRACTIONS:
+        text = pattern.sub(replacement, text)
+    words = [NUMBER_WORDS.get(w, w) for w in _WORD.findall(text)]
+    content = [w for w in words if w not in FUNCTION_WORDS and w not in NEGATIONS and w not in RELATIONS
+               and not w.isdigit()]
+    stems = (_stemmer.stemWord(w) for w in content)
+    return _Reading(negations=tuple(sorted(w for w in words if w in NEGATIONS)),
+                    numbers=tuple(sorted(w for w in words if w.isdigit())),
+                    relations=frozenset(w for w in words if w in RELATIONS),
+                    content=tuple(_CANONICAL.get(s, s) for s in stems), letters="".join(content))
+
+
+def disagreement(a: str, b: str) -> str | None:
+    """None when `a` and `b` ask the same thing as far as this check can tell; else what differs
+    (negation, number, relation, content or order), for the logs and the benchmark."""
+    x, y = _read(a), _read(b)
+    if x.negations != y.negations:
+        return "negation"
+    if x.numbers != y.numbers:
+        return "number"
+    if x.relations != y.relations:
+        return "relation"
+    if set(x.content) != set(y.content):
+        if x.letters != y.letters:  # "user name" against "username": the same word, written apart
+            return "content"
+    elif x.content != y.content and _dedupe(x.content) != _dedupe(y.content):
+        return "order"
+    return None
+
+
+def _dedupe(words: tuple[str, ...]) -> tuple[str, ...]:
+    """The first occurrence of each word, in order: repeating a word is not reordering."""
+    return tuple(dict.fromkeys(words))

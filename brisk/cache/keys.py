@@ -1,0 +1,60 @@
+"""What a request is cached under.
+
+A CacheQuery splits a request in two: its `scope`, everything that must be identical for a
+cached answer to be right (the model, the route, every parameter that changes the output, and
+for a conversation every turn before the last), and its `text`, the part that may be matched
+by meaning (the last user message, or the prompt). Then
+
+    key       = hash(tenant, scope, text)   the exact match
+    namespace = hash(tenant, scope)         what a semantic match must share
+
+The embedder reads at most 256 tokens, so embedding a whole conversation would compare only its
+start; hashing the earlier turns into the namespace and embedding only the last message makes
+a semantic hit mean "same conversation so far, same question now". The tenant is in both
+hashes, so no lookup can reach another tenant's entries, whatever the similarity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+
+def canonical(value: Any) -> str:
+    """JSON with sorted keys, no spaces and NFC-normalized strings: equal requests, equal text."""
+    return json.dumps(_nfc(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _nfc(value: Any) -> Any:
+    if isinstance(value, str):
+        return unicodedata.normalize("NFC", value)
+    if isinstance(value, dict):
+        return {k: _nfc(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nfc(v) for v in value]
+    return value
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheQuery:
+    tenant: str
+    scope: str  # canonical JSON of what must match exactly
+    text: str  # what may match by meaning
+    semantic: bool  # whether `text` may be matched by meaning at all (a user message or a text prompt)
+    threshold: float  # the least cosine similarity for a semantic hit
+
+    @cached_property
+    def key(self) -> str:
+        return _digest(self.tenant, self.scope, unicodedata.normalize("NFC", self.text))
+
+    @cached_property
+    def namespace(self) -> str:
+        return _digest(self.tenant, self.scope)

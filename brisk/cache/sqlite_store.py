@@ -1,0 +1,161 @@
+"""The embedded response store: one SQLite file, its vectors in the same file (vectors.py).
+
+WAL mode: readers never wait for the writer, and a commit is an append to the log. With
+synchronous=NORMAL the append reaches the operating system before put() returns, so a
+committed entry survives the server process being killed (SIGKILL); what it does not survive
+is the machine losing power before the OS writes the page out, which for a cache is the right
+trade. Writes take the lock up front (BEGIN IMMEDIATE) and wait up to 10 s for it, so several
+server processes can share one file; within a process they share one connection under a lock.
+Reads go through a connection per thread and take no lock: in WAL mode a reader never waits
+for a writer, so an exact lookup is quick enough to run on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+
+from brisk.cache.store import Entry, ResponseStore, StoreStats
+from brisk.cache.vectors import VectorIndex, connect
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, namespace TEXT NOT NULL, tenant TEXT NOT NULL,
+    text TEXT NOT NULL, response BLOB NOT NULL, size INTEGER NOT NULL,
+    created REAL NOT NULL, expires REAL NOT NULL, last_used REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS entries_last_used ON entries(last_used);
+CREATE INDEX IF NOT EXISTS entries_expires ON entries(expires);
+CREATE INDEX IF NOT EXISTS entries_tenant ON entries(tenant);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+_COLUMNS = "id, key, namespace, tenant, text, response, created, expires"
+_EXPIRED_PER_PUT = 256  # expired entries dropped per put, so one put never stalls on a backlog
+
+
+class SQLiteStore(ResponseStore):
+    def __init__(self, path: str, max_entries: int, dimensions: int | None):
+        path = os.path.expanduser(path)
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.path, self.max_entries = path, max_entries
+        self._lock = threading.Lock()
+        self._db = self._connect()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        with self._write():
+            self._db.execute(_SCHEMA)
+            self.vectors = self._vector_index(dimensions)
+        self._local = threading.local()
+        self._readers: list = []  # every thread's read connection, to close them all
+
+    def _connect(self):
+        connection = connect(self.path)
+        connection.set_busy_timeout(10_000)
+        connection.execute("PRAGMA synchronous=NORMAL")
+        return connection
+
+    def _reader(self) -> tuple:
+        """This thread's read connection, and its view of the vector index."""
+        if not hasattr(self._local, "reader"):
+            connection = self._connect()
+            index = VectorIndex(connection, self.vectors.dimensions) if self.vectors is not None else None
+            self._local.reader = (connection, index)
+            with self._lock:
+                self._readers.append(connection)
+        return self._local.reader
+
+    def _vector_index(self, dimensions: int | None) -> VectorIndex | None:
+        """The vectors table for this embedder's width; one made for another width is dropped
+        (its entries stay, found by exact key)."""
+        row = self._db.execute("SELECT value FROM meta WHERE name = 'dimensions'").fetchone()
+        if row is not None and (dimensions is None or int(row[0]) != dimensions):
+            VectorIndex(self._db, int(row[0])).drop()
+            self._db.execute("DELETE FROM meta WHERE name = 'dimensions'")
+        if dimensions is None:
+            return None
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('dimensions', ?)", (str(dimensions),))
+        return VectorIndex(self._db, dimensions)
+
+    @contextmanager
+    def _write(self):
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def get(self, key: str, now: float) -> Entry | None:
+        db, _ = self._reader()
+        row = db.execute(f"SELECT {_COLUMNS} FROM entries WHERE key = ? AND expires > ?", (key, now)).fetchone()
+        return None if row is None else _entry(row)
+
+    def nearest(self, namespace: str, vector: np.ndarray, k: int, now: float) -> list[tuple[Entry, float]]:
+        if self.vectors is None:
+            return []
+        db, vectors = self._reader()
+        with db:  # one read transaction: the index and the entries as of one moment
+            found = vectors.nearest(namespace, vector, k)
+            rows = {row[0]: row for row in db.execute(
+                f"SELECT {_COLUMNS} FROM entries WHERE id IN ({','.join('?' * len(found))}) AND expires > ?",
+                (*(id for id, _ in found), now))} if found else {}
+        return [(_entry(rows[id]), similarity) for id, similarity in found if id in rows]
+
+    def touch(self, key: str, now: float) -> None:
+        with self._write():
+            self._db.execute("UPDATE entries SET last_used = ? WHERE key = ?", (now, key))
+
+    def put(self, entry: Entry, now: float) -> int:
+        with self._write():
+            old = self._db.execute("SELECT id FROM entries WHERE key = ?", (entry.key,)).fetchone()
+            if old is not None:
+                self._delete([old[0]])
+            self._db.execute(
+                "INSERT INTO entries (key, namespace, tenant, text, response, size, created, expires, last_used) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (entry.key, entry.namespace, entry.tenant, entry.text, entry.response, entry.size, entry.created,
+                 entry.expires, now))
+            if entry.vector is not None and self.vectors is not None:
+                self.vectors.add(self._db.last_insert_rowid(), entry.namespace, entry.vector)
+            expired = [id for id, in self._db.execute("SELECT id FROM entries WHERE expires <= ? LIMIT ?",
+                                                      (now, _EXPIRED_PER_PUT))]
+            self._delete(expired)
+            excess = self._db.execute("SELECT count(*) FROM entries").fetchone()[0] - self.max_entries
+            oldest = [id for id, in self._db.execute("SELECT id FROM entries ORDER BY last_used LIMIT ?",
+                                                     (max(excess, 0),))]
+            self._delete(oldest)
+        return len(expired) + len(oldest)
+
+    def _delete(self, ids: list[int]) -> None:
+        self._db.executemany("DELETE FROM entries WHERE id = ?", [(i,) for i in ids])
+        if self.vectors is not None:
+            self.vectors.remove(ids)
+
+    def clear(self, tenant: str | None = None) -> int:
+        with self._write():
+            where, args = ("WHERE tenant = ?", (tenant,)) if tenant is not None else ("", ())
+            ids = [id for id, in self._db.execute(f"SELECT id FROM entries {where}", args)]
+            self._delete(ids)
+        return len(ids)
+
+    def stats(self) -> StoreStats:
+        db, _ = self._reader()
+        count, size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM entries").fetchone()
+        return StoreStats(entries=count, bytes=size)
+
+    def close(self) -> None:
+        with self._lock:
+            for connection in self._readers:
+                connection.close()
+            self._db.close()
+
+
+def _entry(row: tuple) -> Entry:
+    _, key, namespace, tenant, text, response, created, expires = row
+    return Entry(key=key, namespace=namespace, tenant=tenant, text=text, response=bytes(response), created=created,
+                 expires=expires)
+
