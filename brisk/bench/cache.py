@@ -105,7 +105,8 @@ def _fill(url: str, base_url: str, questions: list[str], embedder: Embedder) -> 
     for first in range(0, len(questions), 256):
         chunk = questions[first:first + 256]
         for question, vector in zip(chunk, embedder.encode(embedder.tokenize(chunk)).numpy()):
-            query = cache_query(scope, DEFAULT_TENANT, chat_cacheable(ChatCompletionRequest(**_chat(question))), 0.95)
+            query = cache_query(scope, DEFAULT_TENANT, chat_cacheable(ChatCompletionRequest(**_chat(question))), 0.95,
+                                embedder.identity)
             cache.save(query, vector, {"object": "chat.completion", "model": "bench", "usage": {},
                                        "choices": [{"index": 0, "finish_reason": "length", "logprobs": None,
                                                     "message": {"role": "assistant", "content": question}}]})
@@ -163,7 +164,7 @@ def main(args) -> None:
     print(f"workload: {args.entries} cached chat answers in one namespace, then the look-alike and paraphrase sets "
           f"(brisk/bench/data/); hit latency over HTTP, one request at a time, {args.rounds} rounds; threshold 0.95")
     results = []
-    embedder = Embedder()
+    embedder = Embedder(backend=args.embedding_backend)  # the server's: its vectors, its namespace
     flags = ["--embedding-backend", args.embedding_backend]
     with tempfile.TemporaryDirectory() as folder:
         for store in args.stores:

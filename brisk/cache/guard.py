@@ -9,14 +9,17 @@ towards a miss: a miss costs one model run, a false hit serves a wrong answer.
 Two texts agree when, after normalization (case, contractions, number words, a Snowball
 stem), they have
   - the same negations, counted ("is it safe" / "is it not safe"),
-  - the same numbers ("2018" / "2022", "type 1" / "type 2"),
+  - the same numbers in the same order ("2018" / "2022", "is 7 more than 5" / "is 5 more than 7"),
+  - the same kind of question where both say ("when did it fall" / "why did it fall"; which =
+    what, what time = when) and the same owner where both name one ("my name" / "your name";
+    "my account" / "an account" may match),
   - the same relation words: particles and prepositions that change meaning ("turn on" /
     "turn off", "before" / "after", "with" / "without"),
   - the same content words, up to a short table of interchangeable terms (max = maximum,
     quickest = fastest; SYNONYMS) and compounds written apart ("wi-fi" = "wifi"),
   - and those content words in the same order, which is what catches swapped roles
     ("from London to New York" / "from New York to London").
-Function words, question words and politeness ("please", "can you tell me") may differ.
+Function words and politeness ("please", "can you tell me") may differ.
 """
 
 from __future__ import annotations
@@ -31,16 +34,21 @@ NEGATIONS = frozenset("not no never none nothing nobody nowhere neither nor with
 # Particles and prepositions whose change changes the question.
 RELATIONS = frozenset("out off up down over under above below before after with from than between against during "
                       "inside outside".split())
-# Words whose change leaves the question the same: articles, auxiliaries and modals, pronouns,
-# question words, light prepositions, politeness.
+# What a question asks for: these must match (which asks what what asks; "what time" asks when).
+QUESTION_WORDS = {"what": "what", "which": "what", "who": "who", "whom": "who", "whose": "whose", "when": "when",
+                  "where": "where", "why": "why", "how": "how"}
+# Whose thing it is: "my name" and "your name" differ.
+OWNERS = {"my": "1", "mine": "1", "our": "1", "ours": "1", "your": "2", "yours": "2", "his": "3", "her": "3",
+          "hers": "3", "their": "3", "theirs": "3"}
+# Words whose change leaves the question the same: articles, auxiliaries and modals, personal
+# pronouns as subjects and objects, light prepositions, politeness.
 FUNCTION_WORDS = frozenset("""
     a an the is are was were be been being am do does did doing done has have had having
     can could would should will shall may might must allowed able okay ok possible
-    i me my mine myself you your yours we us our it its they them their this that these those
-    there here what which who whom whose when where why how time
+    i me myself you we us it its they them this that these those there here time
     of for in on at into onto about to by as and or but if so just also really
     please tell hi hello hey thanks thank want wanted like know need way any some
-""".split())
+""".split()) | QUESTION_WORDS.keys() | OWNERS.keys()
 NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve".split())}
 # Groups of interchangeable terms in questions: abbreviations and plain synonyms. Antonyms and
@@ -67,7 +75,9 @@ _CANONICAL = {_stemmer.stemWord(word): min(_stemmer.stemWord(w) for w in group)
 @dataclass(frozen=True)
 class _Reading:
     negations: tuple[str, ...]
-    numbers: tuple[str, ...]
+    numbers: tuple[str, ...]  # in order
+    questions: frozenset[str]
+    owners: frozenset[str]
     relations: frozenset[str]
     content: tuple[str, ...]  # canonical stems, in order
     letters: str  # the content words' letters run together: "wi-fi" and "wifi" give the same
@@ -78,24 +88,30 @@ def _read(text: str) -> _Reading:
     text = text.lower().replace("\u2019", "'")
     for pattern, replacement in _CONTRACTIONS:
         text = pattern.sub(replacement, text)
-    words = [NUMBER_WORDS.get(w, w) for w in _WORD.findall(text)]
+    words = [NUMBER_WORDS.get(w, w) for w in _WORD.findall(text.replace("what time", "when"))]
     content = [w for w in words if w not in FUNCTION_WORDS and w not in NEGATIONS and w not in RELATIONS
                and not w.isdigit()]
     stems = (_stemmer.stemWord(w) for w in content)
     return _Reading(negations=tuple(sorted(w for w in words if w in NEGATIONS)),
-                    numbers=tuple(sorted(w for w in words if w.isdigit())),
+                    numbers=tuple(w for w in words if w.isdigit()),
+                    questions=frozenset(QUESTION_WORDS[w] for w in words if w in QUESTION_WORDS),
+                    owners=frozenset(OWNERS[w] for w in words if w in OWNERS),
                     relations=frozenset(w for w in words if w in RELATIONS),
                     content=tuple(_CANONICAL.get(s, s) for s in stems), letters="".join(content))
 
 
 def disagreement(a: str, b: str) -> str | None:
     """None when `a` and `b` ask the same thing as far as this check can tell; else what differs
-    (negation, number, relation, content or order), for the logs and the benchmark."""
+    (negation, number, question, owner, relation, content or order), for the logs and the benchmark."""
     x, y = _read(a), _read(b)
     if x.negations != y.negations:
         return "negation"
     if x.numbers != y.numbers:
         return "number"
+    if x.questions and y.questions and x.questions != y.questions:
+        return "question"
+    if x.owners and y.owners and x.owners != y.owners:
+        return "owner"
     if x.relations != y.relations:
         return "relation"
     if set(x.content) != set(y.content):

@@ -8,8 +8,9 @@ by meaning (the last user message, or the prompt). Then
     key       = hash(tenant, scope, text)   the exact match
     namespace = hash(tenant, scope)         what a semantic match must share
 
-The embedder reads at most 256 tokens, so embedding a whole conversation would compare only its
-start; hashing the earlier turns into the namespace and embedding only the last message makes
+The namespace also names the embedder (`space`): vectors of two embedding models are never
+compared, even where a store is shared. The embedder reads at most 256 tokens, so embedding a
+whole conversation would compare only its start; hashing the earlier turns into the namespace and embedding only the last message makes
 a semantic hit mean "same conversation so far, same question now". The tenant is in both
 hashes, so no lookup can reach another tenant's entries, whatever the similarity.
 """
@@ -50,6 +51,7 @@ class CacheQuery:
     text: str  # what may match by meaning
     semantic: bool  # whether `text` may be matched by meaning at all (a user message or a text prompt)
     threshold: float  # the least cosine similarity for a semantic hit
+    space: str = ""  # the embedder whose vectors the namespace holds (Embedder.identity)
 
     @cached_property
     def key(self) -> str:
@@ -57,4 +59,4 @@ class CacheQuery:
 
     @cached_property
     def namespace(self) -> str:
-        return _digest(self.tenant, self.scope)
+        return _digest(self.tenant, self.scope, self.space)

@@ -10,7 +10,9 @@ an in-memory sqlite-vec index (vectors.py), and keeps it consistent with Redis t
   (one round trip; usually nothing new) and applies it in order, fetching added vectors. Adds
   and deletes are idempotent, so replaying a message twice is harmless.
 - A process that starts, or falls further behind than the stream keeps (it is capped at
-  100,000 messages), rebuilds: it notes the stream's last id, then scans every entry.
+  100,000 messages: Redis reports the newest id it trimmed away), rebuilds: it notes the
+  stream's last id, then scans every entry. The position moves only once what it covers is
+  in the index, so a failure part-way is retried, not skipped.
 - A candidate from the index is read back from Redis before it is served, and must still be
   there with the same id, namespace and an unexpired TTL. So a lagging index can cost a miss,
   never a wrong answer.
@@ -26,13 +28,13 @@ import threading
 import numpy as np
 import redis
 
-from brisk.cache.store import Entry, ResponseStore, StoreStats
+from brisk.cache.store import EXPIRED_PER_PUT, Entry, ResponseStore, StoreStats
 from brisk.cache.vectors import VectorIndex, connect
 
 PREFIX = "brisk:rc:"
 LOG_LENGTH = 100_000
-_EXPIRED_PER_PUT = 256
 _SYNC_BATCH = 5_000
+_TIMEOUT_SECONDS = 5.0  # a Redis that stops answering fails lookups (misses), it does not hang them
 
 # KEYS: entry, lru, expiry, bytes, log, next id, tenant set.
 # ARGV: key, namespace, tenant, text, response, size, created, expires, vector ("" for none), now, log length.
@@ -75,9 +77,12 @@ return deleted
 
 
 class RedisStore(ResponseStore):
+    local = False
+
     def __init__(self, url: str, max_entries: int, dimensions: int | None, prefix: str = PREFIX):
         self.url, self.max_entries, self.prefix = url, max_entries, prefix
-        self.redis = redis.Redis.from_url(url, decode_responses=False)
+        self.redis = redis.Redis.from_url(url, decode_responses=False, socket_timeout=_TIMEOUT_SECONDS,
+                                          socket_connect_timeout=_TIMEOUT_SECONDS)
         self.redis.ping()  # fail at start, naming the URL, not at the first request
         self._put_script = self.redis.register_script(_PUT)
         self._delete_script = self.redis.register_script(_DELETE)
@@ -126,7 +131,7 @@ class RedisStore(ResponseStore):
                   f"{self.prefix}t:{entry.tenant}"],
             args=[entry.key, entry.namespace, entry.tenant, entry.text, entry.response, entry.size, entry.created,
                   entry.expires, vector, now, LOG_LENGTH])
-        expired = self.redis.zrangebyscore(self._expiry, "-inf", now, start=0, num=_EXPIRED_PER_PUT)
+        expired = self.redis.zrangebyscore(self._expiry, "-inf", now, start=0, num=EXPIRED_PER_PUT)
         excess = self.redis.zcard(self._lru) - self.max_entries
         oldest = self.redis.zrange(self._lru, 0, excess - 1) if excess > 0 else []
         return self._delete([k.decode() for k in {*expired, *oldest}])
@@ -157,9 +162,12 @@ class RedisStore(ResponseStore):
         while True:
             pipeline = self.redis.pipeline(transaction=False)
             pipeline.xread({self._log: self._log_position}, count=_SYNC_BATCH)
-            pipeline.xrange(self._log, count=1)
-            read, first = pipeline.execute()
-            if first and _stream_id(first[0][0]) > _stream_id(self._log_position):
+            pipeline.xinfo_stream(self._log)
+            read, info = pipeline.execute(raise_on_error=False)
+            if isinstance(info, redis.ResponseError):  # no log yet: nothing was ever written
+                return
+            trimmed = info.get("max-deleted-entry-id", b"0-0")
+            if _stream_id(trimmed) > _stream_id(self._log_position):
                 self._rebuild()  # messages after our position were trimmed away: we cannot replay them
                 continue
             messages = read[0][1] if read else []
@@ -171,13 +179,14 @@ class RedisStore(ResponseStore):
         """Deletes at once; adds by reading the entry as it is now, after the whole batch: an
         entry deleted later in the batch is then gone (skipped), one replaced has its new id."""
         added = []
-        for message_id, fields in messages:
+        for _, fields in messages:
             if fields[b"op"] == b"del":
                 self._forget([int(fields[b"id"])])
             else:
                 added.append(self._entry_key(fields[b"key"].decode()))
-            self._log_position = message_id
         self._index(added)
+        if messages:
+            self._log_position = messages[-1][0]
 
     def _forget(self, ids: list[int]) -> None:
         self.vectors.remove(ids)
@@ -185,11 +194,11 @@ class RedisStore(ResponseStore):
             self._keys.pop(id, None)
 
     def _rebuild(self) -> None:
+        self._log_position = None  # until the scan is in the index
         last = self.redis.xrevrange(self._log, count=1)
-        self._log_position = last[0][0] if last else b"0-0"
         self._forget(list(self._keys))
-        keys = list(self.redis.scan_iter(match=self._entry_key("*"), count=1000))
-        self._index(keys)
+        self._index(list(self.redis.scan_iter(match=self._entry_key("*"), count=1000)))
+        self._log_position = last[0][0] if last else b"0-0"
 
     def _index(self, entry_keys: list) -> None:
         """Adds the vectors of these entries (Redis keys) to the local index."""
@@ -197,7 +206,8 @@ class RedisStore(ResponseStore):
         for entry_key in entry_keys:
             pipeline.hmget(entry_key, "id", "key", "namespace", "vector")
         for id, key, namespace, vector in pipeline.execute():
-            if id is not None and vector:
+            # an entry without a vector, or with another embedder's width, is found by key only
+            if id is not None and len(vector or b"") == 4 * self.vectors.dimensions:
                 self.vectors.add(int(id), namespace.decode(), np.frombuffer(vector, dtype=np.float32))
                 self._keys[int(id)] = key.decode()
 

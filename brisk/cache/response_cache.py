@@ -12,6 +12,7 @@ Figures are counted here, where lookups happen, and read by /v1/cache/stats and 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from brisk.cache.keys import CacheQuery
 from brisk.cache.store import Entry, ResponseStore, open_store
 from brisk.config import ResponseCacheConfig
 
-CANDIDATES = 4  # nearest entries checked per semantic lookup
+SEMANTIC_CANDIDATES = 4  # nearest entries checked per semantic lookup
 LATENCY_WINDOW = 2048  # recent hit latencies kept per kind, for percentiles
 
 
@@ -34,11 +35,12 @@ class Hit:
     kind: str  # "exact" or "semantic"
     response: dict
     similarity: float  # 1.0 for an exact hit
-    matched_text: str  # the cached request's text
 
 
 @dataclass
 class CacheCounters:
+    """Counted from the event loop and from worker threads alike: change them with `add`."""
+
     exact_hits: int = 0
     exact_misses: int = 0
     semantic_hits: int = 0
@@ -48,6 +50,11 @@ class CacheCounters:
     evictions: int = 0  # entries dropped by TTL or the size cap, in this process's puts
     hit_seconds: dict[str, deque] = field(default_factory=lambda: {k: deque(maxlen=LATENCY_WINDOW)
                                                                    for k in ("exact", "semantic")})
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, count: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + count)
 
 
 class ResponseCache:
@@ -69,22 +76,22 @@ class ResponseCache:
     def lookup_exact(self, query: CacheQuery) -> Hit | None:
         entry = self.store.get(query.key, self.clock())
         if entry is None:
-            self.counters.exact_misses += 1
+            self.counters.add("exact_misses")
             return None
-        self.counters.exact_hits += 1
-        return Hit(entry.key, "exact", json.loads(entry.response), 1.0, entry.text)
+        self.counters.add("exact_hits")
+        return Hit(entry.key, "exact", json.loads(entry.response), 1.0)
 
     def lookup_semantic(self, query: CacheQuery, vector: np.ndarray) -> Hit | None:
         now = self.clock()
-        for entry, similarity in self.store.nearest(query.namespace, vector, CANDIDATES, now):
+        for entry, similarity in self.store.nearest(query.namespace, vector, SEMANTIC_CANDIDATES, now):
             if similarity < query.threshold:
                 break
             if self.guard(query.text, entry.text) is not None:
-                self.counters.guard_rejections += 1
+                self.counters.add("guard_rejections")
                 continue
-            self.counters.semantic_hits += 1
-            return Hit(entry.key, "semantic", json.loads(entry.response), similarity, entry.text)
-        self.counters.semantic_misses += 1
+            self.counters.add("semantic_hits")
+            return Hit(entry.key, "semantic", json.loads(entry.response), similarity)
+        self.counters.add("semantic_misses")
         return None
 
     def save(self, query: CacheQuery, vector: np.ndarray | None, response: dict) -> None:
@@ -93,12 +100,12 @@ class ResponseCache:
         entry = Entry(key=query.key, namespace=query.namespace, tenant=query.tenant, text=query.text,
                       response=json.dumps(response, ensure_ascii=False).encode(), created=now,
                       expires=now + self.ttl_seconds, vector=vector)
-        self.counters.evictions += self.store.put(entry, now)
-        self.counters.stores += 1
+        self.counters.add("evictions", self.store.put(entry, now))
+        self.counters.add("stores")
 
     def served(self, hit: Hit, seconds: float) -> None:
         """A hit was served, `seconds` after its lookup began: it moves to the front of the LRU order."""
-        self.counters.hit_seconds[hit.kind].append(seconds)
+        self.counters.hit_seconds[hit.kind].append(seconds)  # deque appends are atomic
         self.store.touch(hit.key, self.clock())
 
     def clear(self, tenant: str | None = None) -> int:

@@ -18,24 +18,26 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from brisk.cache.store import Entry, ResponseStore, StoreStats
+from brisk.cache.store import EXPIRED_PER_PUT, Entry, ResponseStore, StoreStats
 from brisk.cache.vectors import VectorIndex, connect
 
+# AUTOINCREMENT: an id is never reused, so a vector left in the table of another embedder's
+# width (written by a server with that embedder) can never stand for a newer entry.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
-    id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, namespace TEXT NOT NULL, tenant TEXT NOT NULL,
+    id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL UNIQUE, namespace TEXT NOT NULL, tenant TEXT NOT NULL,
     text TEXT NOT NULL, response BLOB NOT NULL, size INTEGER NOT NULL,
     created REAL NOT NULL, expires REAL NOT NULL, last_used REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS entries_last_used ON entries(last_used);
 CREATE INDEX IF NOT EXISTS entries_expires ON entries(expires);
 CREATE INDEX IF NOT EXISTS entries_tenant ON entries(tenant);
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _COLUMNS = "id, key, namespace, tenant, text, response, created, expires"
-_EXPIRED_PER_PUT = 256  # expired entries dropped per put, so one put never stalls on a backlog
 
 
 class SQLiteStore(ResponseStore):
+    local = True
+
     def __init__(self, path: str, max_entries: int, dimensions: int | None):
         path = os.path.expanduser(path)
         if os.path.dirname(path):
@@ -46,7 +48,8 @@ class SQLiteStore(ResponseStore):
         self._db.execute("PRAGMA journal_mode=WAL")
         with self._write():
             self._db.execute(_SCHEMA)
-            self.vectors = self._vector_index(dimensions)
+            # one index per vector width: servers with different embedders can share the file
+            self.vectors = VectorIndex(self._db, dimensions, f"vectors{dimensions}") if dimensions else None
         self._local = threading.local()
         self._readers: list = []  # every thread's read connection, to close them all
 
@@ -60,23 +63,11 @@ class SQLiteStore(ResponseStore):
         """This thread's read connection, and its view of the vector index."""
         if not hasattr(self._local, "reader"):
             connection = self._connect()
-            index = VectorIndex(connection, self.vectors.dimensions) if self.vectors is not None else None
+            index = VectorIndex(connection, self.vectors.dimensions, self.vectors.name) if self.vectors else None
             self._local.reader = (connection, index)
             with self._lock:
                 self._readers.append(connection)
         return self._local.reader
-
-    def _vector_index(self, dimensions: int | None) -> VectorIndex | None:
-        """The vectors table for this embedder's width; one made for another width is dropped
-        (its entries stay, found by exact key)."""
-        row = self._db.execute("SELECT value FROM meta WHERE name = 'dimensions'").fetchone()
-        if row is not None and (dimensions is None or int(row[0]) != dimensions):
-            VectorIndex(self._db, int(row[0])).drop()
-            self._db.execute("DELETE FROM meta WHERE name = 'dimensions'")
-        if dimensions is None:
-            return None
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('dimensions', ?)", (str(dimensions),))
-        return VectorIndex(self._db, dimensions)
 
     @contextmanager
     def _write(self):
@@ -84,10 +75,11 @@ class SQLiteStore(ResponseStore):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if not self._db.get_autocommit():  # still in the transaction: leave none open
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     def get(self, key: str, now: float) -> Entry | None:
         db, _ = self._reader()
@@ -122,7 +114,7 @@ class SQLiteStore(ResponseStore):
             if entry.vector is not None and self.vectors is not None:
                 self.vectors.add(self._db.last_insert_rowid(), entry.namespace, entry.vector)
             expired = [id for id, in self._db.execute("SELECT id FROM entries WHERE expires <= ? LIMIT ?",
-                                                      (now, _EXPIRED_PER_PUT))]
+                                                      (now, EXPIRED_PER_PUT))]
             self._delete(expired)
             excess = self._db.execute("SELECT count(*) FROM entries").fetchone()[0] - self.max_entries
             oldest = [id for id, in self._db.execute("SELECT id FROM entries ORDER BY last_used LIMIT ?",

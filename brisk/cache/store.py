@@ -6,8 +6,9 @@
 A store holds entries and finds them two ways: by exact key, and by vector within one namespace
 (tenant, model, route, parameters and earlier turns hashed together; keys.py), so a semantic
 search never even sees another tenant's entries. It enforces TTL and the size cap (LRU), and
-counts what it evicts. Stores are synchronous and thread-safe; the server calls them from a
-worker thread.
+counts what it evicts. Stores are synchronous and thread-safe. The server calls a `local`
+store's `get` on its event loop (a read of a file on this machine) and everything else from
+worker threads.
 """
 
 from __future__ import annotations
@@ -40,12 +41,17 @@ class StoreStats:
     bytes: int
 
 
+EXPIRED_PER_PUT = 256  # expired entries dropped per put, so one put never stalls on a backlog
+
+
 class ResponseStore(ABC):
     """Entries by exact key or by nearest vector, with TTL and an LRU size cap."""
 
+    local: bool  # reads are local file reads (quick, never waiting on a network)
+
     @abstractmethod
     def get(self, key: str, now: float) -> Entry | None:
-        """The live entry under `key` (quick: the server calls it on its event loop)."""
+        """The live entry under `key`."""
 
     @abstractmethod
     def nearest(self, namespace: str, vector: np.ndarray, k: int, now: float) -> list[tuple[Entry, float]]:

@@ -3,7 +3,7 @@
 A vec0 table holds each vector's 384 sign bits (48 bytes), partitioned by namespace, so a
 search reads only the namespace asked for: another tenant's entries are not filtered out
 afterwards, they are never read. A k-nearest search scans the partition's bits by Hamming
-distance in C, keeps the best CANDIDATES, and ranks those by exact cosine similarity on the
+distance in C, keeps the best BIT_CANDIDATES, and ranks those by exact cosine similarity on the
 float vectors (a side table): the similarities it returns are exact, the candidate list is not.
 
 Why bits first: sqlite-vec's float scan took 9.8 ms over 10,000 vectors of 384 dimensions
@@ -35,7 +35,7 @@ def connect(path: str) -> apsw.Connection:
     return connection
 
 
-CANDIDATES = 64  # found by sign bits, then ranked by cosine
+BIT_CANDIDATES = 64  # found by sign bits, then ranked by cosine
 
 
 class VectorIndex:
@@ -43,7 +43,7 @@ class VectorIndex:
     Tables: `{name}_bits` (vec0, sign bits by namespace) and `{name}_floats` (the vectors)."""
 
     def __init__(self, connection: apsw.Connection, dimensions: int, name: str = "vectors"):
-        self.connection, self.dimensions = connection, dimensions
+        self.connection, self.dimensions, self.name = connection, dimensions, name
         self.bits, self.floats = f"{name}_bits", f"{name}_floats"
         connection.execute(f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.bits} USING vec0("
                            f"namespace TEXT PARTITION KEY, signs BIT[{dimensions}]);"
@@ -60,15 +60,12 @@ class VectorIndex:
         for table, column in ((self.bits, "rowid"), (self.floats, "id")):
             self.connection.executemany(f"DELETE FROM {table} WHERE {column} = ?", [(i,) for i in ids])
 
-    def drop(self) -> None:
-        self.connection.execute(f"DROP TABLE IF EXISTS {self.bits}; DROP TABLE IF EXISTS {self.floats}")
-
     def nearest(self, namespace: str, vector: np.ndarray, k: int) -> list[tuple[int, float]]:
         """(id, cosine similarity), most similar first."""
         vector = self._checked(vector)
         ids = [id for id, in self.connection.execute(
             f"SELECT rowid FROM {self.bits} WHERE signs MATCH vec_bit(?) AND namespace = ? AND k = ?",
-            (_signs(vector), namespace, max(k, CANDIDATES)))]
+            (_signs(vector), namespace, max(k, BIT_CANDIDATES)))]
         if not ids:
             return []
         rows = list(self.connection.execute(

@@ -12,6 +12,7 @@ they are refused with InputTooLong, which the server answers with 400.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -98,6 +99,14 @@ class Embedder:
             if dtype != torch.float32:
                 raise ConfigError(f"the {backend} backend runs the float32 export; its dtype is fixed")
             self.model = OnnxEncoder(onnx_file(self.path, backend, encoder.eval().requires_grad_(False)))
+
+    @property
+    def identity(self) -> str:
+        """What its vectors depend on, hashed: the weights file (path, size, modification time) and
+        the backend (ONNX Runtime's vectors differ from torch's in the third decimal)."""
+        weights = os.path.realpath(_weights_file(self.path))
+        stat = os.stat(weights)
+        return hashlib.sha256(f"{weights}:{stat.st_size}:{stat.st_mtime_ns}:{self.backend}".encode()).hexdigest()
 
     @property
     def dimensions(self) -> int:

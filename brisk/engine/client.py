@@ -54,7 +54,8 @@ class ModelInfo:
     num_heads: int
     num_kv_heads: int
     # What the output depends on, hashed: the checkpoint's files (path, size, modification time)
-    # and the settings that change the numbers. The response cache keys on it, so an answer is
+    # and the settings that change the numbers or the defaults (dtype, device, context length,
+    # quantization, KV cache dtype, speculative decoding, seed). The response cache keys on it, so an answer is
     # never served by a server whose model or settings would have answered differently.
     identity: str = ""
 
@@ -80,9 +81,11 @@ class ModelInfo:
 
 def _identity(engine: "LLMEngine") -> str:
     path, config = os.path.realpath(engine.checkpoint.path), engine.config
-    files = sorted(os.scandir(path), key=lambda e: e.name) if os.path.isdir(path) else [path]
-    stats = [(os.fspath(f), (st := os.stat(f)).st_size, st.st_mtime_ns) for f in files if os.path.isfile(f)]
-    settings = (str(engine.dtype), config.quantization, config.quantization_group_size, config.kv_cache_kind,
+    files = sorted(os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names) \
+        if os.path.isdir(path) else [path]
+    stats = [(f, (st := os.stat(f)).st_size, st.st_mtime_ns) for f in files]
+    settings = (str(engine.dtype), str(engine.device), engine.max_model_len, config.quantization,
+                config.quantization_group_size, config.int8_activations, config.kv_cache_kind,
                 config.speculative_config and config.speculative_config.to_json(), config.seed)
     return hashlib.sha256(json.dumps([stats, settings], default=str).encode()).hexdigest()
 

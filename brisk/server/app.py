@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from brisk.cache.response_cache import ResponseCache
-from brisk.config import EmbeddingConfig, ResponseCacheConfig, ServerConfig
+from brisk.config import ConfigError, EmbeddingConfig, ResponseCacheConfig, ServerConfig
 from brisk.embed.embedder import Embedder
 from brisk.engine.client import EngineClient
 from brisk.server.embedding_api import EmbeddingServing, embedding_router
@@ -59,9 +59,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
         metrics.embedding_queue_depth.set_function(lambda: embeddings.batcher.queue_depth)
     caching = None
     if response_cache is not None:
+        on_hit = metrics.watch_response_cache(lambda: caching.stats())
         caching = ResponseCaching(response_cache, cache_config or ResponseCacheConfig(),
-                                  model_scope(model_names[0], engine.model_info.identity), embedder)
-        caching.on_hit = metrics.watch_response_cache(caching.stats)
+                                  model_scope(model_names[0], engine.model_info.identity), embedder, on_hit)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -80,6 +80,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     install_error_handlers(app)
     keys = read_api_keys(config.api_keys_file) if config.api_keys_file else {}
     if config.api_key:
+        if config.api_key in keys:
+            raise ConfigError(f"api_key is also a key of {config.api_keys_file}, with the tenant {keys[config.api_key]}")
         keys[config.api_key] = DEFAULT_TENANT
     app.add_middleware(APIKeyMiddleware, keys=keys, admin_api_key=config.admin_api_key or config.api_key,
                        open_paths=OPEN_PATHS)

@@ -29,6 +29,7 @@ from brisk.cache.keys import CacheQuery, canonical
 from brisk.cache.response_cache import Hit, ResponseCache
 from brisk.config import ResponseCacheConfig
 from brisk.embed.embedder import Embedder
+from brisk.engine.output import RequestOutput
 from brisk.server.middleware import DEFAULT_TENANT, Caller
 
 logger = logging.getLogger("brisk.server")
@@ -59,12 +60,12 @@ def caller(http: Request) -> Caller:
     return getattr(http.state, "caller", None) or Caller(DEFAULT_TENANT, admin=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheLookup:
     status: str  # "exact", "semantic", "miss", "bypass", or "off" (no cache on this server)
     hit: Hit | None = None
     query: CacheQuery | None = None
-    vector: np.ndarray | None = None
+    vector: np.ndarray | None = None  # the query's, stored with the answer
     save_to: ResponseCaching | None = None  # set when the answer is to be stored
 
     @property
@@ -77,7 +78,7 @@ class CacheLookup:
         return headers
 
     async def save(self, response: dict) -> None:
-        """Stores the answer (failures are logged: the client still gets its answer)."""
+        """Stores the answer; a failure is logged, and the client gets its answer all the same."""
         if self.save_to is None:
             return
         try:
@@ -87,6 +88,11 @@ class CacheLookup:
 
 
 BYPASS, OFF = CacheLookup("bypass"), CacheLookup("off")
+
+
+def worth_storing(finals: list[RequestOutput]) -> bool:
+    """Every completion ended by itself (not aborted, not cut off by a departed client)."""
+    return all(f.finished and all(c.finish_reason not in (None, "abort") for c in f.outputs) for f in finals)
 
 
 async def lookup(caching: ResponseCaching | None, http: Request, request: Cacheable | None) -> CacheLookup:
@@ -100,10 +106,13 @@ def model_scope(served_name: str, identity: str) -> dict[str, str]:
     return {"served": served_name, "identity": identity}
 
 
-def cache_query(model: dict[str, str], tenant: str, request: Cacheable, threshold: float) -> CacheQuery:
-    """The query `request` is looked up and stored under (threshold: the server's default)."""
+def cache_query(model: dict[str, str], tenant: str, request: Cacheable, threshold: float,
+                space: str = "") -> CacheQuery:
+    """The query `request` is looked up and stored under (threshold: the server's default;
+    space: the embedder's identity)."""
     return CacheQuery(tenant=tenant, scope=canonical([model, request.route, request.params, request.context]),
-                      text=request.text, semantic=request.semantic, threshold=request.threshold or threshold)
+                      text=request.text, semantic=request.semantic, threshold=request.threshold or threshold,
+                      space=space)
 
 
 class ResponseCaching:
@@ -113,6 +122,7 @@ class ResponseCaching:
                  embedder: Embedder | None, on_hit: Callable[[str, float], None] = lambda kind, seconds: None):
         self.cache, self.config, self.model, self.on_hit = cache, config, model, on_hit
         self.embedder = embedder if config.cache_semantic else None
+        self.space = self.embedder.identity if self.embedder is not None else ""
 
     async def lookup(self, http: Request, request: Cacheable | None) -> CacheLookup:
         start = time.perf_counter()
@@ -120,32 +130,51 @@ class ResponseCaching:
         if request is None or request.opt is False or "no-store" in no_cache \
                 or not (request.deterministic or request.opt):
             return BYPASS
-        query = cache_query(self.model, caller(http).tenant, request, self.config.cache_similarity_threshold)
-        miss = CacheLookup("miss", query=query, save_to=self)
-        if "no-cache" in no_cache:
-            return miss
-        # The exact lookup runs here, on the event loop: it is one indexed read (SQLite, no lock)
-        # or one round trip (Redis), and a hop to a worker thread and back cost more than that
-        # (the hop's wake-ups put this machine's exact hits at 8 ms p99 instead of 5). The
-        # semantic one embeds, so it runs on a worker thread, embedding and search together.
-        hit = self.cache.lookup_exact(query)
+        query = cache_query(self.model, caller(http).tenant, request, self.config.cache_similarity_threshold,
+                            self.space)
+        try:
+            hit, vector = await self._find(query, read="no-cache" not in no_cache)
+        except Exception:  # noqa: BLE001 - a store or embedder that fails costs a model run, not the request
+            logger.exception("the response cache lookup failed; answering without it")
+            return CacheLookup("miss", query=query, save_to=self)
         if hit is None:
-            hit, miss.vector = await asyncio.to_thread(self.cache.lookup_by_meaning, query,
-                                                       self.embedder and self._embed)
-        if hit is None:
-            return miss
+            return CacheLookup("miss", query=query, vector=vector, save_to=self)
         seconds = time.perf_counter() - start
         self.on_hit(hit.kind, seconds)
-        asyncio.get_running_loop().run_in_executor(None, self.cache.served, hit, seconds)  # the LRU write, off the path
+        asyncio.get_running_loop().run_in_executor(None, self._served, hit, seconds)  # the LRU write, off the path
         return CacheLookup(hit.kind, hit=hit, query=query)
+
+    async def _find(self, query: CacheQuery, read: bool) -> tuple[Hit | None, np.ndarray | None]:
+        """The hit (None without `read`, i.e. Cache-Control: no-cache), and the query's vector
+        when it was embedded. A local store's exact lookup runs here, on the event loop: one
+        indexed read, where the hop to a worker thread and back took longer than the read and
+        put this machine's exact hits at 8 ms p99 instead of 5. A network store's, and the
+        semantic lookup (it embeds), run on a worker thread."""
+        if read:
+            hit = self.cache.lookup_exact(query) if self.cache.store.local else \
+                await asyncio.to_thread(self.cache.lookup_exact, query)
+            if hit is not None:
+                return hit, None
+        embed = self._embed if self.embedder is not None else None
+        if not read:
+            return None, (await asyncio.to_thread(embed, query.text) if embed and query.semantic else None)
+        return await asyncio.to_thread(self.cache.lookup_by_meaning, query, embed)
+
+    def _served(self, hit: Hit, seconds: float) -> None:
+        try:
+            self.cache.served(hit, seconds)
+        except Exception:  # noqa: BLE001 - the LRU order is a hint; losing one update is harmless
+            logger.exception("could not mark a response-cache entry as used")
 
     def _embed(self, text: str) -> np.ndarray | None:
         """The text's unit vector; None when it is longer than the embedder reads (a vector of
-        its start would match other texts with the same start)."""
+        its start would match other texts with the same start). Normalized here whether or not
+        the model's own pipeline normalizes: the index compares by dot product."""
         [ids] = self.embedder.tokenize([text], True)
         if len(ids) >= self.embedder.max_length:
             return None
-        return self.embedder.encode([ids])[0].numpy()
+        vector = self.embedder.encode([ids])[0].numpy()
+        return vector / np.linalg.norm(vector)
 
     def stats(self) -> dict:
         """/v1/cache/stats' response_cache: the store's contents and this process's counts."""

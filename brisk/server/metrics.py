@@ -6,6 +6,7 @@ counted, so each figure comes from the event itself. The registry is per server,
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -13,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from brisk.embed.batcher import BatchRecord
 from brisk.engine.stats import EngineSnapshot, IterationStats
+
+logger = logging.getLogger("brisk.server")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
@@ -84,7 +87,11 @@ class PrometheusStatLogger:
 
         class Collector:
             def collect(self):
-                s = stats()
+                try:
+                    s = stats()
+                except Exception:  # noqa: BLE001 - a store that cannot answer leaves its figures out, not /metrics
+                    logger.exception("the response cache's figures could not be read")
+                    return []
                 families = []
                 for name, doc, by_kind in (("hits", "Requests answered from the response cache.", s["hits"]),
                                            ("misses", "Response-cache lookups that found nothing.", s["misses"])):

@@ -60,6 +60,8 @@ def read_api_keys(path: str) -> dict[str, str]:
             if len(fields) != 2 or not _TENANT.fullmatch(fields[1].encode()):
                 raise ValueError(f"{path}:{number}: expected `KEY TENANT` (a tenant of letters, digits and _.:@-, at "
                                  f"most 64), got {line.strip()!r}")
+            if fields[1] == DEFAULT_TENANT:  # the tenant of api_key and admin_api_key: it would share their answers
+                raise ValueError(f"{path}:{number}: the tenant name {DEFAULT_TENANT!r} is reserved")
             if fields[0] in keys:
                 raise ValueError(f"{path}:{number}: the key is listed twice")
             keys[fields[0]] = fields[1]

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from brisk.cache.keys import canonical
 from brisk.engine.output import CompletionOutput, RequestOutput, accumulate
 from brisk.sample.logprobs import TokenLogprobs
-from brisk.server.caching import Cacheable, CacheLookup, ResponseCaching, deterministic, fields, lookup
+from brisk.server.caching import (Cacheable, CacheLookup, ResponseCaching, deterministic, fields, lookup,
+                                  worth_storing)
 from brisk.server.embedding_api import EmbeddingServing
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -67,7 +68,10 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
         serving.check_model(body.model)
-        cached = await lookup(self.caching, http, chat_cacheable(body))
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",
+                           param="prompt_logprobs")
+        cached = await lookup(self.caching, http, chat_cacheable(body) if self.caching else None)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if cached.hit is not None:
             return self._replay(body, cached, request_id, created, self._replay_chat)
@@ -76,9 +80,6 @@ class OpenAIServing:
         if constraint is not None and forced is not None:
             raise APIError(400, "tool_choice forces a tool call, which cannot be combined with response_format or "
                                 "another output constraint.", param="tool_choice")
-        if body.stream and body.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",
-                           param="prompt_logprobs")
         params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
                                       constraint or forced)
         streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt)
@@ -90,7 +91,7 @@ class OpenAIServing:
         if finals is None:
             return Response(status_code=499)
         response = self._chat_response(body, finals[0], tools, request_id, created)
-        if _complete(finals):
+        if worth_storing(finals):
             await cached.save(response)
         return JSONResponse(response, headers=cached.headers)
 
@@ -153,7 +154,9 @@ class OpenAIServing:
                       "finish_reason": None} for i in range(body.n)])
         completion_tokens, last, final = 0, None, None
         async for out in outputs:
-            last, final = out, accumulate(final, out)
+            last = out
+            if cached.save_to is not None:
+                final = accumulate(final, out)
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -167,7 +170,7 @@ class OpenAIServing:
                                 "finish_reason": finish_reason})
             if choices:
                 yield chunk(choices)
-        if final is not None and _complete([final]):
+        if final is not None and worth_storing([final]):
             await cached.save(self._chat_response(body, final, tools, request_id, created))
         if body.include_usage and last is not None:
             yield chunk([], _usage_counts(len(last.prompt_token_ids), completion_tokens, last.num_cached_tokens))
@@ -180,7 +183,7 @@ class OpenAIServing:
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
-        cached = await lookup(self.caching, http, _completion_cacheable(body, prompts))
+        cached = await lookup(self.caching, http, _completion_cacheable(body, prompts) if self.caching else None)
         base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if cached.hit is not None:
             return self._replay(body, cached, base_id, created, self._replay_completion)
@@ -198,7 +201,7 @@ class OpenAIServing:
         if finals is None:
             return Response(status_code=499)
         response = self._completion_response(body, finals, base_id, created)
-        if _complete(finals):
+        if worth_storing(finals):
             await cached.save(response)
         return JSONResponse(response, headers=cached.headers)
 
@@ -220,7 +223,8 @@ class OpenAIServing:
         prompt_tokens, completion_tokens, cached_tokens = 0, 0, 0
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
-            finals[i] = accumulate(finals.get(i), out)
+            if cached.save_to is not None:
+                finals[i] = accumulate(finals.get(i), out)
             if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
             out = replace(out, prompt_logprobs=prompt_logprobs.get(i))
@@ -235,7 +239,7 @@ class OpenAIServing:
                 prompt_tokens += len(out.prompt_token_ids)
                 cached_tokens += out.num_cached_tokens
             yield chunk(choices)
-        if len(finals) == len(streams) and _complete(list(finals.values())):
+        if len(finals) == len(streams) and worth_storing(list(finals.values())):
             await cached.save(self._completion_response(body, [finals[i] for i in range(len(streams))], base_id,
                                                         created))
         if body.include_usage:
@@ -302,11 +306,6 @@ def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]
     semantic = isinstance(prompt, str) and not body.echo and body.prompt_logprobs is None
     return Cacheable(route="completions", params=fields(body, "prompt"), context=None, text=text, semantic=semantic,
                      deterministic=deterministic(body), opt=body.cache, threshold=body.cache_similarity_threshold)
-
-
-def _complete(finals: list[RequestOutput]) -> bool:
-    """Every completion ended by itself (not aborted): an answer worth storing."""
-    return all(f.finished and all(c.finish_reason not in (None, "abort") for c in f.outputs) for f in finals)
 
 
 @dataclass

@@ -22,9 +22,9 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from brisk.engine.output import RequestOutput
+from brisk.engine.output import RequestOutput, accumulate
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
-from brisk.server.caching import Cacheable, ResponseCaching, caller, lookup
+from brisk.server.caching import Cacheable, ResponseCaching, caller, lookup, worth_storing
 from brisk.server.errors import APIError
 from brisk.server.protocol import GenerateBatchRequest, GenerateRequest
 from brisk.server.serving import STREAMING_RESPONSES, Serving, sse
@@ -81,15 +81,12 @@ class ServiceAPI:
 
         if body.stream:
             async def events(outputs: AsyncIterator[RequestOutput]):
-                text, tokens, finish_reason = [], 0, None
+                final = None
                 async for out in outputs:
-                    delta = out.outputs[0]
-                    text.append(delta.text)
-                    tokens += len(delta.token_ids)
-                    finish_reason = delta.finish_reason
-                    yield {"text": delta.text}
-                answer = result("".join(text), tokens)
-                if finish_reason not in (None, "abort"):
+                    final = accumulate(final, out)
+                    yield {"text": out.outputs[0].text}
+                answer = result(final.outputs[0].text, len(final.outputs[0].token_ids))
+                if worth_storing([final]):
                     await cached.save(answer)
                 yield {**answer, "done": True}
 
@@ -99,7 +96,7 @@ class ServiceAPI:
             return Response(status_code=499)
         completion = finals[0].outputs[0]
         answer = result(completion.text, len(completion.token_ids))
-        if completion.finish_reason != "abort":
+        if worth_storing(finals):
             await cached.save(answer)
         return JSONResponse(answer, headers=cached.headers)
 

@@ -66,6 +66,12 @@ def test_the_threshold_alone_lets_lookalikes_through(real_embedder, tmp_path):
     ("How do I connect to wifi?", "How do I connect to Wi-Fi?", None),
     ("How do I reset my username?", "How do I reset my user name?", None),
     ("Why don't birds fall?", "Why do birds not fall?", None),
+    ("Is 7 bigger than 5?", "Is 5 bigger than 7?", "number"),
+    ("When did the Berlin Wall fall?", "Why did the Berlin Wall fall?", "question"),
+    ("What is my name?", "What is your name?", "owner"),
+    ("How do I close my savings account?", "How do I close a savings account?", None),
+    ("Which foods contain gluten?", "What foods contain gluten?", None),
+    ("When does the store close?", "What time does the store close?", None),
 ])
 def test_guard(a, b, why):
     assert disagreement(a, b) == why
