@@ -8,10 +8,13 @@ from then on only the engine's loop thread may touch the engine.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 
+import httpx
 import pytest
 import uvicorn
 
@@ -50,6 +53,25 @@ def running_server(engine: EngineClient, embedder=None, embedding_config=None, r
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def serve_tiny(folder: str, *flags: str, **popen) -> tuple[subprocess.Popen, str]:
+    """`brisk serve` of the tiny model in `folder` as a process, with these flags; returns it and
+    its base URL once /health answers (Popen keywords: where its output goes)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "brisk.cli", "serve", "--model", folder, "--port", str(port), "--dtype", "float32",
+         "--num-kv-blocks", "64", "--max-model-len", "256", *flags], **popen)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return process, base
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
 
 
 @pytest.fixture(params=["thread", "process"])

@@ -13,8 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -23,7 +21,7 @@ from brisk.cache.response_cache import ResponseCache
 from brisk.cache.sqlite_store import SQLiteStore
 from brisk.config import ResponseCacheConfig
 from tests.conftest import build_tiny_checkpoint
-from tests.server.conftest import free_port, running_server
+from tests.server.conftest import running_server, serve_tiny
 
 CHAT = {"messages": [{"role": "user", "content": "How do I reset my password?"}], "max_tokens": 8,
         "temperature": 0}
@@ -225,21 +223,8 @@ def test_an_answer_sent_survives_sigkill_and_a_restart(tmp_path):
     body = {"prompt": "w3 w4 w5", "max_tokens": 6, "temperature": 0}
 
     def start():
-        port = free_port()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "brisk.cli", "serve", "--model", folder, "--port", str(port), "--dtype", "float32",
-             "--num-kv-blocks", "64", "--max-model-len", "256", "--no-engine-process", "--embedding-model", "none",
-             "--data-dir", str(tmp_path / "data")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    return process, base
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        return serve_tiny(folder, "--no-engine-process", "--embedding-model", "none", "--data-dir",
+                          str(tmp_path / "data"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     process, base = start()
     first = httpx.post(f"{base}/v1/completions", json=body, timeout=60)

@@ -10,35 +10,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
 from tests.conftest import build_tiny_checkpoint
-from tests.server.conftest import free_port
+from tests.server.conftest import serve_tiny
 
 
 def _start(folder: str, grace: float, engine_flag: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "brisk.cli", "serve", "--model", folder, "--port", str(port), "--dtype", "float32",
-         "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-grace-seconds", str(grace),
-         "--log-level", "info", "--no-response-cache", engine_flag],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return process, base
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
+    return serve_tiny(folder, "--shutdown-grace-seconds", str(grace), "--log-level", "info", "--no-response-cache",
+                      engine_flag, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def _stream(base: str, events: list, started: threading.Event) -> None:
