@@ -13,7 +13,8 @@ import os
 import sys
 
 from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
-from brisk.config import EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig
+from brisk.config import (EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig,
+                          ServerConfig)
 from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
 from brisk.llm import BATCHING_MODES

@@ -2,7 +2,8 @@
 
 The CLI, the offline `LLM` API and the server all build an EngineConfig; `brisk serve` adds a
 ServerConfig for what only the HTTP front end needs, an EmbeddingConfig for the embedding
-model it serves beside the generation model, and a ResponseCacheConfig for its response cache. Command-line flags are generated from
+model it serves beside the generation model, and a ResponseCacheConfig for its response cache.
+Command-line flags are generated from
 these fields, so a knob is added here once and appears everywhere. Names follow vLLM's where
 vLLM has the same knob.
 """
@@ -268,11 +269,12 @@ class ResponseCacheConfig:
     cache_url: str | None = knob(
         None, "Where cached responses live: sqlite:///PATH or redis://HOST:PORT[/DB]; default: "
               "DATA_DIR/response_cache.sqlite3.")
-    data_dir: str | None = knob(None, "Folder for brisk's files; default: $XDG_DATA_HOME/brisk or ~/.local/share/brisk.")
+    data_dir: str | None = knob(
+        None, "Folder for brisk's files; default: $XDG_DATA_HOME/brisk or ~/.local/share/brisk.")
     cache_semantic: bool = knob(
         True, "Also serve a cached answer to a question that means the same (needs the embedding model).")
     cache_similarity_threshold: float = knob(
-        0.95, "Least cosine similarity of a semantic hit (requests may ask for their own, \"cache_similarity_threshold\").")
+        0.95, "Least cosine similarity of a semantic hit (a request may set its own: \"cache_similarity_threshold\").")
     cache_ttl_seconds: float = knob(86400.0, "How long a cached response is served, in seconds.")
     cache_max_entries: int = knob(100_000, "Cached responses kept; past this the least recently used go.")
 

@@ -144,7 +144,8 @@ def run_store(name: str, url: str, flags: list[str], entries: int, rounds: int, 
     flags = [*flags, "--port", str(server.port), "--served-model-name", "bench", "--dtype", "float32",
              "--kv-cache-memory-gib", "1"]
     sets = {name: pairs(name) for name in SETS}
-    lookalike, paraphrase = sets["lookalike"] + sets["heldout_lookalike"], sets["paraphrase"] + sets["heldout_paraphrase"]
+    lookalike = sets["lookalike"] + sets["heldout_lookalike"]
+    paraphrase = sets["paraphrase"] + sets["heldout_paraphrase"]
     with brisk_serve(flags, server, startup_timeout, response_cache=True) as base_url:
         http = HTTPConnection("127.0.0.1", server.port, timeout=120)
         fillers = filler_questions(entries - len(lookalike) - len(paraphrase))
@@ -199,7 +200,8 @@ def main(args) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         server = {kind: f"{v['p50']:.1f} / {v['p99']:.1f}" if v["count"] else "-" for kind, v in r["server"].items()}
-        false_hits = ", ".join(f"{len(r['false_hits'][n])} of {r['sizes'][n]}" for n in ("lookalike", "heldout_lookalike"))
+        false_hits = ", ".join(f"{len(r['false_hits'][n])} of {r['sizes'][n]}"
+                               for n in ("lookalike", "heldout_lookalike"))
         paraphrases = ", ".join(f"{r['paraphrase_hits'][n]} of {r['sizes'][n]} "
                                 f"({r['paraphrase_hits'][n] / r['sizes'][n]:.0%})" for n in ("paraphrase",
                                                                                              "heldout_paraphrase"))

@@ -10,9 +10,10 @@ by meaning (the last user message, or the prompt). Then
 
 The namespace also names the embedder (`space`): vectors of two embedding models are never
 compared, even where a store is shared. The embedder reads at most 256 tokens, so embedding a
-whole conversation would compare only its start; hashing the earlier turns into the namespace and embedding only the last message makes
-a semantic hit mean "same conversation so far, same question now". The tenant is in both
-hashes, so no lookup can reach another tenant's entries, whatever the similarity.
+whole conversation would compare only its start; hashing the earlier turns into the namespace
+and embedding only the last message makes a semantic hit mean "same conversation so far, same
+question now". The tenant is in both hashes, so no lookup can reach another tenant's entries,
+whatever the similarity.
 """
 
 from __future__ import annotations

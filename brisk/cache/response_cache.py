@@ -63,8 +63,8 @@ class ResponseCache:
         self.store, self.ttl_seconds, self.guard, self.clock = store, ttl_seconds, guard, clock
         self.counters = CacheCounters()
 
-    def lookup_by_meaning(self, query: CacheQuery, embed: Callable[[str], np.ndarray | None] | None) -> tuple[Hit | None,
-                                                                                                np.ndarray | None]:
+    def lookup_by_meaning(self, query: CacheQuery, embed: Callable[[str], np.ndarray | None] | None
+                          ) -> tuple[Hit | None, np.ndarray | None]:
         """Semantic lookup (with `embed`, for a query that may match by meaning), after an exact
         one missed. Returns the hit, and the query's vector if it was embedded (to store it
         with the answer on a miss)."""
@@ -120,5 +120,5 @@ def open_response_cache(config: ResponseCacheConfig, dimensions: int | None) -> 
     embedder's vectors, None for exact matching only."""
     if not config.response_cache:
         return None
-    return ResponseCache(open_store(config.url, config.cache_max_entries, dimensions if config.cache_semantic else None),
-                         config.cache_ttl_seconds)
+    store = open_store(config.url, config.cache_max_entries, dimensions if config.cache_semantic else None)
+    return ResponseCache(store, config.cache_ttl_seconds)

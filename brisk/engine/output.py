@@ -72,9 +72,9 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
             done.logprobs = (done.logprobs or []) + c.logprobs
         done.cumulative_logprob, done.finish_reason, done.stop_reason = (c.cumulative_logprob, c.finish_reason,
                                                                          c.stop_reason)
+    prompt_logprobs = total.prompt_logprobs if total.prompt_logprobs is not None else delta.prompt_logprobs
     return replace(total, outputs=sorted(completions.values(), key=lambda c: c.index), finished=delta.finished,
-                   metrics=delta.metrics, num_cached_tokens=delta.num_cached_tokens,
-                   prompt_logprobs=total.prompt_logprobs if total.prompt_logprobs is not None else delta.prompt_logprobs)
+                   metrics=delta.metrics, num_cached_tokens=delta.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass

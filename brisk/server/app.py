@@ -81,7 +81,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     keys = read_api_keys(config.api_keys_file) if config.api_keys_file else {}
     if config.api_key:
         if config.api_key in keys:
-            raise ConfigError(f"api_key is also a key of {config.api_keys_file}, with the tenant {keys[config.api_key]}")
+            raise ConfigError(f"api_key is also a key of {config.api_keys_file} "
+                              f"(with the tenant {keys[config.api_key]})")
         keys[config.api_key] = DEFAULT_TENANT
     app.add_middleware(APIKeyMiddleware, keys=keys, admin_api_key=config.admin_api_key or config.api_key,
                        open_paths=OPEN_PATHS)

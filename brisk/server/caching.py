@@ -4,7 +4,8 @@ A route describes its request as a Cacheable (what must match exactly, what may 
 meaning, whether the output is deterministic), asks `lookup`, and either answers from the hit
 or runs the model and hands the answer to `CacheLookup.save`, which commits it before the
 response goes out: an answer a client received is in the store, even if the server is killed
-right after (SIGKILL).
+right after (SIGKILL), unless the store failed (that is logged, and the client still gets its
+answer).
 
 Who may be served from the cache:
   - deterministic requests (temperature 0, top_k 1 or a seed), or any request with "cache": true;

@@ -88,7 +88,8 @@ class APIKeyMiddleware:
             caller = self._caller(scope)
             if caller is None:
                 await send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                                 "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                                 "invalid_request_error", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
                 return
             if not self.keys and (tenant := _header(scope, TENANT_HEADER)) is not None:
                 if not _TENANT.fullmatch(tenant):
