@@ -29,6 +29,7 @@ import numpy as np
 import redis
 
 from brisk.cache.store import EXPIRED_PER_PUT, Entry, ResponseStore, StoreStats
+from brisk.config import ConfigError
 from brisk.cache.vectors import VectorIndex, connect
 
 PREFIX = "brisk:rc:"
@@ -83,7 +84,10 @@ class RedisStore(ResponseStore):
         self.url, self.max_entries, self.prefix = url, max_entries, prefix
         self.redis = redis.Redis.from_url(url, decode_responses=False, socket_timeout=_TIMEOUT_SECONDS,
                                           socket_connect_timeout=_TIMEOUT_SECONDS)
-        self.redis.ping()  # fail at start, naming the URL, not at the first request
+        try:
+            self.redis.ping()  # fail at start, naming the URL, not at the first request
+        except redis.RedisError as e:
+            raise ConfigError(f"cache_url {url}: Redis does not answer ({e})") from None
         self._put_script = self.redis.register_script(_PUT)
         self._delete_script = self.redis.register_script(_DELETE)
         self._lru, self._expiry, self._bytes = prefix + "lru", prefix + "exp", prefix + "bytes"

@@ -16,10 +16,12 @@ import os
 import threading
 from contextlib import contextmanager
 
+import apsw
 import numpy as np
 
 from brisk.cache.store import EXPIRED_PER_PUT, Entry, ResponseStore, StoreStats
 from brisk.cache.vectors import VectorIndex, connect
+from brisk.config import ConfigError
 
 # AUTOINCREMENT: an id is never reused, so a vector left in the table of another embedder's
 # width (written by a server with that embedder) can never stand for a newer entry.
@@ -39,13 +41,15 @@ class SQLiteStore(ResponseStore):
     local = True
 
     def __init__(self, path: str, max_entries: int, dimensions: int | None):
-        path = os.path.expanduser(path)
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.path, self.max_entries = path, max_entries
+        self.path, self.max_entries = os.path.expanduser(path), max_entries
         self._lock = threading.Lock()
-        self._db = self._connect()
-        self._db.execute("PRAGMA journal_mode=WAL")
+        try:  # fail at start, naming the file, not at the first request
+            if os.path.dirname(self.path):
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._db = self._connect()
+            self._db.execute("PRAGMA journal_mode=WAL")
+        except (OSError, apsw.Error) as e:
+            raise ConfigError(f"the response cache cannot use {self.path}: {e}") from None
         with self._write():
             self._db.execute(_SCHEMA)
             # one index per vector width: servers with different embedders can share the file

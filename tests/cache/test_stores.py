@@ -11,6 +11,7 @@ import pytest
 
 from brisk.cache.keys import CacheQuery
 from brisk.cache.store import Entry, ResponseStore, open_store
+from brisk.config import ConfigError
 
 DIM = 64
 
@@ -156,6 +157,21 @@ def test_concurrent_writers_lose_nothing(store_url):
     found = store.nearest(entry("x").namespace, random_unit(2, 7), k=1, now=101)
     assert found[0][0].text == "w2-7" and found[0][1] == pytest.approx(1.0, abs=1e-5)
     store.close()
+
+
+def test_a_file_that_cannot_be_made_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / "a-file" / "cache.sqlite3"  # its folder is a file
+    with pytest.raises(ConfigError, match=f"cannot use {path}"):
+        open_store(f"sqlite://{path}", max_entries=10, dimensions=DIM)
+
+
+def test_a_redis_that_does_not_answer_is_a_config_error_naming_the_url():
+    from tests.server.conftest import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(ConfigError, match=f"cache_url {url}: Redis does not answer"):
+        open_store(url, max_entries=10, dimensions=DIM)
 
 
 def test_redis_processes_share_one_index_state(redis_db):
