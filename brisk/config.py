@@ -254,6 +254,10 @@ class EmbeddingConfig:
         return self.embedding_model != EMBEDDING_DISABLED
 
 
+SQLITE_URL_SCHEME = "sqlite://"
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
 def default_data_dir() -> str:
     """Where brisk keeps what outlives a process: $XDG_DATA_HOME/brisk, else ~/.local/share/brisk."""
     return os.path.join(os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "brisk")
@@ -285,13 +289,12 @@ class ResponseCacheConfig:
             raise ConfigError(f"cache_ttl_seconds must be > 0, got {self.cache_ttl_seconds}")
         if self.cache_max_entries < 1:
             raise ConfigError(f"cache_max_entries must be >= 1, got {self.cache_max_entries}")
-        if self.cache_url is not None and not self.cache_url.startswith(("sqlite://", "redis://", "rediss://",
-                                                                         "unix://")):
+        if self.cache_url is not None and not self.cache_url.startswith((SQLITE_URL_SCHEME, *REDIS_URL_SCHEMES)):
             raise ConfigError(f"cache_url must be sqlite:///PATH or redis://HOST:PORT[/DB], got {self.cache_url!r}")
 
     @property
     def url(self) -> str:
-        return self.cache_url or "sqlite://" + os.path.join(self.data_dir or default_data_dir(),
+        return self.cache_url or SQLITE_URL_SCHEME + os.path.join(self.data_dir or default_data_dir(),
                                                             "response_cache.sqlite3")
 
 

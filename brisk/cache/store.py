@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from brisk.config import REDIS_URL_SCHEMES, SQLITE_URL_SCHEME
+
 
 @dataclass
 class Entry:
@@ -79,11 +81,11 @@ class ResponseStore(ABC):
 
 def open_store(url: str, max_entries: int, dimensions: int | None) -> ResponseStore:
     """The store at `url`; `dimensions` of the embedder's vectors (None: exact matching only)."""
-    if url.startswith("sqlite://"):
+    if url.startswith(SQLITE_URL_SCHEME):
         from brisk.cache.sqlite_store import SQLiteStore
 
-        return SQLiteStore(url.removeprefix("sqlite://"), max_entries, dimensions)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+        return SQLiteStore(url.removeprefix(SQLITE_URL_SCHEME), max_entries, dimensions)
+    if url.startswith(REDIS_URL_SCHEMES):
         from brisk.cache.redis_store import RedisStore
 
         return RedisStore(url, max_entries, dimensions)

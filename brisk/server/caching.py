@@ -32,6 +32,7 @@ from brisk.config import ResponseCacheConfig
 from brisk.embed.embedder import Embedder
 from brisk.engine.output import RequestOutput
 from brisk.server.middleware import DEFAULT_TENANT, Caller
+from brisk.server.protocol import SamplingFields
 
 logger = logging.getLogger("brisk.server")
 
@@ -200,10 +201,10 @@ def _percentiles(seconds) -> dict[str, float | None]:
     return {"p50": round(float(p50), 3), "p99": round(float(p99), 3), "count": len(seconds)}
 
 
-def deterministic(body: Any) -> bool:
-    return body.temperature == 0 or getattr(body, "top_k", 0) == 1 or getattr(body, "seed", None) is not None
+def deterministic(body: SamplingFields) -> bool:
+    return body.temperature == 0 or body.top_k == 1 or body.seed is not None
 
 
-def fields(body: Any, *exclude: str) -> dict[str, Any]:
+def fields(body: SamplingFields, *exclude: str) -> dict[str, Any]:
     """The body's fields that go into the key: all but NOT_IN_KEY and `exclude`."""
     return body.model_dump(exclude=NOT_IN_KEY | set(exclude), by_alias=True)

@@ -121,7 +121,7 @@ class StructuredOutputsField(_Body):
     json_object: bool | None = None
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     model: Text | None = None
     max_tokens: int | None = Field(default=None)
     temperature: float = 1.0
@@ -220,7 +220,7 @@ def _constraint(name: str, value: Any) -> dict[str, Any]:
     return {name.removeprefix("guided_"): value}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -237,7 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | list[int] | \
         Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
     max_tokens: int | None = 16  # OpenAI's default for completions
