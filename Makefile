@@ -22,15 +22,23 @@ SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install redis-server test lint serve bench clean
+.PHONY: install redis-server browser test lint serve bench bench-quick clean
 
-install: $(STAMP) $(TEXT) $(MTBENCH) redis-server
+install: $(STAMP) $(TEXT) $(MTBENCH) redis-server browser
 
 redis-server:
 	@command -v redis-server >/dev/null \
 	  || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null \
 	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; } \
 	  || echo "warning: could not install redis-server; the Redis response-store tests will skip"
+
+# The dashboard's browser test and `brisk bench dashboard` drive Debian's Chromium through its
+# chromium-driver; installed the same way, and without them those skip, saying why.
+browser:
+	@command -v chromedriver >/dev/null \
+	  || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null \
+	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+	  || echo "warning: could not install chromium; the dashboard's browser test will skip"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,8 +77,13 @@ lint: install
 serve: install
 	$(BIN)/brisk serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
+# BENCHMARKS.md regenerated: every section at full size (hours), or some: make bench SECTIONS="serve compare".
 bench: install
-	$(BIN)/brisk bench throughput
+	$(BIN)/brisk bench report $(if $(SECTIONS),--sections $(SECTIONS))
+
+# Every section at a reduced size, in under 15 minutes.
+bench-quick: install
+	$(BIN)/brisk bench report --quick $(if $(SECTIONS),--sections $(SECTIONS))
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info data

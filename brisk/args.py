@@ -1,16 +1,21 @@
 """Command-line flags generated from the config dataclasses: one flag per field, with the
 field's default and help, so a knob is declared once (in brisk/config.py) and every command
-that runs an engine (`generate`, `chat`, `serve`, `bench ...`) takes it under the same name."""
+that runs an engine (`generate`, `chat`, `serve`, `bench ...`) takes it under the same name.
+
+The same knobs can come from a YAML file (`brisk serve --config best.yaml`, as `brisk optimize`
+writes one): a flat mapping of knob names to values, which become the command's defaults, so a
+flag on the command line still overrides the file."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from dataclasses import MISSING
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from brisk.config import EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig, knobs
+from brisk.config import ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig, knobs
 
 C = TypeVar("C", EngineConfig, ServerConfig, EmbeddingConfig, ResponseCacheConfig)
 
@@ -44,6 +49,71 @@ def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return config_from_args(EngineConfig, args)
+
+
+def add_config_file_argument(parser: argparse.ArgumentParser, config_classes: tuple[type, ...]) -> None:
+    """`--config FILE`: this command's knobs (of `config_classes`) read from a YAML file."""
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="read options from this YAML file (knob: value per line, e.g. as `brisk optimize` "
+                             "writes them); flags given here override it")
+    parser.set_defaults(config_file_classes=config_classes, config_file_parser=parser)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """parser.parse_args, then, when the command was given `--config FILE`, again with the
+    file's values as the command's defaults: the file fills in what the command line left out."""
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    args.config_file_parser.set_defaults(**read_config_file(path, args.config_file_classes))
+    return parser.parse_args(argv)
+
+
+def read_config_file(path: str, config_classes: tuple[type, ...]) -> dict[str, Any]:
+    """The knobs of a YAML config file, checked against `config_classes`' fields: an unknown
+    name or a value of the wrong kind is an error naming the file, the key and what was expected
+    (the configs' own checks of ranges still run when they are built)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config file at {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping of option names to values, got {type(document).__name__}")
+    fields = {f.name: typing.get_type_hints(cls)[f.name] for cls in config_classes for f in knobs(cls)}
+    values = {}
+    for key, value in document.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"{path}: unknown option {key!r}; options are {', '.join(sorted(fields))}")
+        values[name] = _checked(path, key, value, fields[name])
+    return values
+
+
+def _checked(path: str, key: str, value: Any, hint) -> Any:
+    """`value` as the field `hint` takes it, or a ConfigError."""
+    optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{path}: {key} cannot be empty")
+    kind = _base_type(hint)
+    if hasattr(kind, "parse"):  # a nested config: a mapping in YAML, or its JSON
+        return kind.parse(value)
+    if typing.get_origin(kind) is list:
+        items = value if isinstance(value, list) else [value]
+        return [_checked(path, key, item, typing.get_args(kind)[0]) for item in items]
+    accepted = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{path}: {key} must be {kind.__name__}, got {value!r}")
+    return kind(value)
 
 
 def config_flags(config: EngineConfig | ServerConfig) -> list[str]:

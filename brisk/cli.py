@@ -1,5 +1,5 @@
 """The `brisk` command: generate, chat, serve, embed, batch, quantize, quantize-embedder, export-tokenizer,
-train-medusa, distill, bench, eval.
+train-medusa, distill, bench, eval, optimize.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's and EmbeddingConfig's, so every command accepts the same
@@ -12,7 +12,8 @@ import argparse
 import os
 import sys
 
-from brisk.args import add_config_arguments, add_engine_arguments, config_from_args, engine_config_from_args
+from brisk.args import (add_config_arguments, add_config_file_argument, add_engine_arguments, config_from_args,
+                        engine_config_from_args, parse_args)
 from brisk.config import (EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig,
                           ServerConfig)
 from brisk.engine.client import EngineClient
@@ -85,12 +86,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from brisk.cache.response_cache import open_response_cache
 
+    # Every config is checked before anything loads: a bad option fails at once.
     server_config = config_from_args(ServerConfig, args)
     embedding_config = config_from_args(EmbeddingConfig, args)
     cache_config = config_from_args(ResponseCacheConfig, args)
+    engine_config = engine_config_from_args(args)
     embedder = load_embedder(embedding_config)
     response_cache = open_response_cache(cache_config, embedder.dimensions if embedder else None)
-    engine = _start_engine(engine_config_from_args(args), server_config)
+    engine = _start_engine(engine_config, server_config)
     serve(build_app(engine, server_config, embedder=embedder, embedding_config=embedding_config,
                     response_cache=response_cache, cache_config=cache_config), engine, server_config)
 
@@ -266,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(serve, EmbeddingConfig, "embedding model options")
     add_config_arguments(serve, ResponseCacheConfig, "response cache options")
     add_engine_arguments(serve)
+    add_config_file_argument(serve, (ServerConfig, EmbeddingConfig, ResponseCacheConfig, EngineConfig))
     serve.set_defaults(func=cmd_serve)
 
     embed = sub.add_parser("embed", help="sentence embeddings of texts, one JSON line each")
@@ -338,16 +342,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(dist, DistillConfig, "distillation options")
     dist.set_defaults(func=cmd_distill)
 
-    from brisk.bench.cli import add_bench_parser, add_eval_parser
+    from brisk.bench.cli import add_bench_parser, add_eval_parser, add_optimize_parser
 
     add_bench_parser(sub)
     add_eval_parser(sub)
+    add_optimize_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_args(build_parser(), argv)
         args.func(args)
     except (ConfigError, SamplingError) as exc:  # raised before any work starts
         print(f"brisk: error: {exc}", file=sys.stderr)

@@ -12,38 +12,21 @@ padding ratio, mean latency) and the ratio to static.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
-import torch
-
 from brisk.args import engine_config_from_args
-from brisk.bench.serve import cpu_name
-from brisk.config import ConfigError
+from brisk.bench.harness import machine
+from brisk.bench.workloads import mt_bench_first_turns
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "data" / "mt_bench_questions.jsonl"
-
-
-def first_turns(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
-
 
 def main(args) -> None:
-    path = args.questions or str(DEFAULT_QUESTIONS)
-    if not os.path.exists(path):
-        raise ConfigError(f"no questions at {path}: run `make install` (it fetches MT-Bench) or pass --questions")
-    questions = first_turns(path)
+    questions = mt_bench_first_turns(args.questions)
     config = engine_config_from_args(args)
     llm = LLM.from_config(config)
     conversations = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     llm.chat(conversations[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores, torch capability {torch.backends.cpu.get_cpu_capability()}); "
-          f"{config.dtype}, max_num_seqs {config.max_num_seqs}")
+    print(f"{machine()}; {config.dtype}, max_num_seqs {config.max_num_seqs}")
     print(f"workload: {len(questions)} MT-Bench first turns, greedy, up to {args.output_len} tokens (EOS honoured); "
           f"groups of {args.batch_size}")
     results = {}

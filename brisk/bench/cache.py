@@ -36,9 +36,9 @@ from http.client import HTTPConnection
 from typing import Iterator
 
 import httpx
-import torch
 
-from brisk.bench.serve import brisk_serve, cpu_name, free_port, percentile
+from brisk.bench.harness import brisk_serve, free_port, machine
+from brisk.engine.stats import percentile
 from brisk.cache.response_cache import ResponseCache
 from brisk.cache.store import open_store
 from brisk.config import ServerConfig
@@ -176,7 +176,7 @@ def run_store(name: str, url: str, flags: list[str], entries: int, rounds: int, 
 
 
 def main(args) -> None:
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores, torch capability {torch.backends.cpu.get_cpu_capability()})")
+    print(machine())
     print(f"workload: {args.entries} cached chat answers in one namespace, then the look-alike and paraphrase sets "
           f"(brisk/bench/data/); hit latency over HTTP, one request at a time, {args.rounds} rounds; threshold 0.95")
     results = []

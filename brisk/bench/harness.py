@@ -1,0 +1,98 @@
+"""What every benchmark shares: a `brisk serve` subprocess to measure, a free port for it, and the
+machine the figures were taken on."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from brisk.config import ServerConfig
+
+# The instruction-set flags that decide which kernels run (DESIGN.md: detect, never assume).
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+
+
+@contextmanager
+def brisk_serve(flags: list[str], server: ServerConfig, startup_timeout: float,
+                response_cache: bool = False) -> Iterator[str]:
+    """A `brisk serve` subprocess with these flags (the server's among them) until the block
+    ends; yields its base URL once /health answers. Its response cache is off unless asked
+    for: a benchmark that repeats requests measures the engine, not the cache."""
+    command = [sys.executable, "-m", "brisk.cli", "serve", *flags,
+               *(() if response_cache else ("--no-response-cache",))]
+    base_url = f"http://{server.host}:{server.port}"
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until_healthy(base_url, startup_timeout, process, log)
+            yield base_url
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+def wait_until_healthy(base_url: str, timeout: float, process: subprocess.Popen | None = None, log=None,
+                       path: str = "/health") -> None:
+    """Polls GET `path` until it answers 200; a `process` that exits first fails at once, with
+    the end of its `log`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            tail = ""
+            if log is not None:
+                log.seek(0)
+                tail = log.read()[-4000:]
+            raise RuntimeError(f"{' '.join(map(str, process.args[:4]))} ... exited with code {process.returncode}:"
+                               f"\n{tail}")
+        try:
+            with urllib.request.urlopen(base_url + path, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not listening yet, or not healthy yet
+        time.sleep(0.2)
+    raise RuntimeError(f"{base_url} did not become healthy within {timeout:.0f} s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_name() -> str:
+    return _cpuinfo().get("model name", "unknown")
+
+
+def machine() -> str:
+    """The machine a benchmark ran on, as BENCHMARKS.md states it: CPU model, cores, the vector
+    flags that pick kernels, and torch's view of them."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    present = " ".join(f for f in _FLAGS if f in flags) or "none of " + " ".join(_FLAGS)
+    return (f"CPU: {cpu_name()}, {os.cpu_count()} cores; flags: {present}; "
+            f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}")
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
