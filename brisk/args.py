@@ -64,10 +64,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     file's values as the command's defaults: the file fills in what the command line left out."""
     args = parser.parse_args(argv)
     path = getattr(args, "config", None)
-    if path is None:
-        return args
-    args.config_file_parser.set_defaults(**read_config_file(path, args.config_file_classes))
-    return parser.parse_args(argv)
+    if path is not None:
+        args.config_file_parser.set_defaults(**read_config_file(path, args.config_file_classes))
+        args = parser.parse_args(argv)
+    for name in ("config_file_parser", "config_file_classes"):  # parsing's, not the command's
+        if hasattr(args, name):
+            delattr(args, name)
+    return args
 
 
 def read_config_file(path: str, config_classes: tuple[type, ...]) -> dict[str, Any]:
@@ -110,7 +113,9 @@ def _checked(path: str, key: str, value: Any, hint) -> Any:
     if typing.get_origin(kind) is list:
         items = value if isinstance(value, list) else [value]
         return [_checked(path, key, item, typing.get_args(kind)[0]) for item in items]
-    accepted = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
+    accepted = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(kind)
+    if accepted is None:
+        raise ConfigError(f"{path}: {key} cannot be set from a config file (a {kind} option)")
     if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         raise ConfigError(f"{path}: {key} must be {kind.__name__}, got {value!r}")
     return kind(value)

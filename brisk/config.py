@@ -154,7 +154,7 @@ class EngineConfig:
     # first token behind a long prompt); offline throughput runs favour larger steps (bench: 1024).
     max_num_batched_tokens: int = knob(
         256, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in).")
-    attention_cost_context: int = knob(  # fitted with `brisk bench fairness --calibrate` (BENCHMARKS.md)
+    attention_cost_context: int = knob(  # fitted with `brisk bench fairness --calibrate` (docs/benchmark-notes.md)
         1500, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
     enable_chunked_prefill: bool = knob(True, "Split long prompts across steps so decodes keep flowing.")
@@ -328,7 +328,7 @@ class ServerConfig:
     engine_process: bool = knob(
         True, "Run the engine (scheduler + model) in its own process, talking to the HTTP process over a socket, "
               "so the front end's Python work is off the engine's critical path (measured: 0.90x offline "
-              "throughput with 32 streams, against 0.78x with the engine on a thread; BENCHMARKS.md).")
+              "throughput with 32 streams, against 0.78x with the engine on a thread; docs/benchmark-notes.md).")
     # OpenMP reads OMP_WAIT_POLICY once, when torch loads, so it can be chosen only for a process started
     # afterwards: the engine process. On a machine with as many cores as engine threads, OpenMP threads
     # spinning between parallel regions hold cores the HTTP process (and a local load generator) need.

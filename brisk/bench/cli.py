@@ -164,7 +164,7 @@ def add_bench_parser(sub) -> None:
 
     db = kinds.add_parser("dashboard", help="the live dashboard in headless Chromium while a load runs: a screenshot")
     db.add_argument("--screenshot", default="dashboard.png")
-    db.add_argument("--num-prompts", type=int, default=48, help="MT-Bench questions, each asked twice")
+    db.add_argument("--num-prompts", type=int, default=48, help="MT-Bench requests, a third repeating earlier ones")
     db.add_argument("--output-len", type=int, default=64)
     db.add_argument("--request-rate", type=_rate, default=2.0)
     db.add_argument("--seconds", type=float, default=40.0, help="load time before the screenshot")
@@ -211,6 +211,8 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="most tokens per answer")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="generate exactly --output-len tokens (default), so every server does the same work")
+    parser.add_argument("--repeat-fraction", type=float, default=0.0,
+                        help="share of requests that repeat an earlier one of the workload (seeded), for caches")
     parser.add_argument("--random-input-len", type=int, default=256)
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="random lengths vary uniformly by this share either way")

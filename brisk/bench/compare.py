@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 from brisk.args import config_flags, engine_config_from_args
-from brisk.bench.harness import brisk_serve, free_port, machine, wait_until_healthy
+from brisk.bench.harness import brisk_serve, free_port, machine, server_process
 from brisk.bench.hf_baseline import hf_generate, load_hf_model
 from brisk.bench.load import LoadReport, LoadRequest
-from brisk.bench.serve import measure, workload
+from brisk.bench.serve import load_settings, measure, workload
 from brisk.config import EngineConfig, ServerConfig
 from brisk.llm import LLM
 from brisk.model.loader import default_model_path, open_checkpoint
@@ -62,24 +58,16 @@ class Row:
                    ttft.p50 if ttft else None, tpot.p50 if tpot else None)
 
 
-@contextmanager
-def llama_cpp_server(model_path: str, context: int, threads: int, startup_timeout: float) -> Iterator[str]:
-    """llama-cpp-python's OpenAI-compatible server on the GGUF file until the block ends."""
+def llama_cpp_server(model_path: str, context: int, threads: int, startup_timeout: float):
+    """llama-cpp-python's OpenAI-compatible server on the GGUF file, as a context manager
+    yielding its URL."""
     port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(context), "--n_threads", str(threads),
                "--n_threads_batch", str(threads),
                # Its default drops a streaming request when the next one arrives; serve them all, in turn.
                "--interrupt_requests", "False"]
-    base_url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_healthy(base_url, startup_timeout, process, log, path="/v1/models")
-            yield base_url
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    return server_process(command, f"http://127.0.0.1:{port}", startup_timeout, health_path="/v1/models")
 
 
 def offline_brisk(config: EngineConfig, requests: list[LoadRequest], max_tokens: int) -> Row:
@@ -112,6 +100,7 @@ def transformers_rows(config: EngineConfig, prompts: list[list[int]], max_tokens
 def main(args) -> None:
     config = engine_config_from_args(args)
     requests = workload(args)
+    settings = load_settings(args, args.request_rate)
     model_path = config.model or default_model_path()
     print(machine())
     print(f"model: {model_path}; brisk engine: {config.dtype}, quantization {config.quantization or 'none'}")
@@ -126,7 +115,7 @@ def main(args) -> None:
         server = ServerConfig(port=free_port(), log_level="warning")
         flags = [*config_flags(engine), *config_flags(server), "--embedding-model", "none"]
         with brisk_serve(flags, server, args.startup_timeout) as url:
-            rows.append(Row.served("brisk", how, measure(url, requests, args, how, args.request_rate)))
+            rows.append(Row.served("brisk", how, measure(url, requests, settings, how, args.warmup)))
     if args.no_llama_cpp:
         print("llama.cpp: left out (--no-llama-cpp)")
     elif importlib.util.find_spec("llama_cpp") is None:
@@ -137,7 +126,7 @@ def main(args) -> None:
         threads = config.num_threads or os.cpu_count()
         with llama_cpp_server(model_path, args.llama_cpp_context, threads, args.startup_timeout) as url:
             rows.append(Row.served("llama.cpp", "llama_cpp.server, same GGUF",
-                                   measure(url, requests, args, "llama.cpp", args.request_rate)))
+                                   measure(url, requests, settings, "llama.cpp", args.warmup)))
     rows.append(offline_brisk(config, requests, args.output_len))
     if not args.no_transformers:
         tokenizer = open_checkpoint(model_path).tokenizer
@@ -150,5 +139,6 @@ def main(args) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         latency = " | ".join("-" if v is None else f"{v:.1f}" for v in (r.ttft_p50_ms, r.tpot_p50_ms))
+        ratio = f"{brisk / r.tokens_per_second:.2f}x" if r.output_tokens else "-"
         print(f"| {r.system} | {r.how} | {r.requests} ({r.failed}) | {r.output_tokens} | {r.seconds:.1f} "
-              f"| {r.tokens_per_second:.1f} | {brisk / r.tokens_per_second:.2f}x | {latency} |")
+              f"| {r.tokens_per_second:.1f} | {ratio} | {latency} |")

@@ -16,7 +16,7 @@ import time
 
 from brisk.args import config_flags, engine_config_from_args
 from brisk.bench.harness import brisk_serve, free_port, machine
-from brisk.bench.load import LoadReport, mtbench_requests, run_load
+from brisk.bench.load import LoadReport, LoadSettings, mtbench_requests, run_load, with_repeats
 from brisk.config import ConfigError, ServerConfig
 
 
@@ -46,15 +46,15 @@ def main(args) -> None:
     requests = mtbench_requests(args.num_prompts, args.output_len)
     print(machine())
     try:
-        # The response cache on, as served by default, so its panel has figures: every second
-        # request repeats an earlier one.
-        repeated = [requests[i // 2] for i in range(len(requests))]
+        # The response cache on, as served by default, so its panel has figures: a third of the
+        # requests repeat an earlier one.
+        repeated = with_repeats(requests, 1 / 3)
         with brisk_serve([*config_flags(engine_config_from_args(args)), *config_flags(server)], server,
                          args.startup_timeout, response_cache=True) as url:
             browser.get(f"{url}/dashboard")
             result: list[LoadReport] = []
             load = threading.Thread(target=lambda: result.append(asyncio.run(run_load(
-                url, repeated, request_rate=args.request_rate, progress=False, label="dashboard load"))))
+                url, repeated, LoadSettings(request_rate=args.request_rate), "dashboard load", progress=False))))
             load.start()
             load.join(timeout=args.seconds)
             time.sleep(1.5)  # the page's next poll
@@ -62,7 +62,7 @@ def main(args) -> None:
             shown = {name: browser.find_element("id", f"tile-{name}").text
                      for name in ("throughput", "running", "waiting", "kv", "prefix", "cache", "ttft")}
             load.join()
-        print(f"load: {len(repeated)} MT-Bench chat requests (each question twice, at temperature 0), "
+        print(f"load: {len(repeated)} MT-Bench chat requests (a third repeating an earlier one, temperature 0), "
               f"{args.output_len} tokens, Poisson at {args.request_rate:g} req/s; screenshot after {args.seconds:g} s")
         print("\n".join(result[0].lines()))
         print("the page showed: " + "; ".join(f"{name} {value}" for name, value in shown.items()))

@@ -30,15 +30,28 @@ def brisk_serve(flags: list[str], server: ServerConfig, startup_timeout: float,
     for: a benchmark that repeats requests measures the engine, not the cache."""
     command = [sys.executable, "-m", "brisk.cli", "serve", *flags,
                *(() if response_cache else ("--no-response-cache",))]
-    base_url = f"http://{server.host}:{server.port}"
+    with server_process(command, f"http://{server.host}:{server.port}", startup_timeout) as base_url:
+        yield base_url
+
+
+@contextmanager
+def server_process(command: list[str], base_url: str, startup_timeout: float,
+                   health_path: str = "/health") -> Iterator[str]:
+    """`command` as a subprocess serving at base_url until the block ends (SIGTERM, then SIGKILL
+    after a minute); yields the URL once GET health_path answers. Its output is kept to show
+    if it exits before that."""
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_until_healthy(base_url, startup_timeout, process, log)
+            wait_until_healthy(base_url, startup_timeout, process, log, health_path)
             yield base_url
         finally:
             process.terminate()
-            process.wait(timeout=60)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def wait_until_healthy(base_url: str, timeout: float, process: subprocess.Popen | None = None, log=None,

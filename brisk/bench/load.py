@@ -112,12 +112,25 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
     return requests
 
 
+def with_repeats(requests: list[LoadRequest], fraction: float, seed: int = 0) -> list[LoadRequest]:
+    """The workload with a seeded `fraction` of its requests (never the first) replaced by an
+    earlier request of it: repeated questions, as real traffic has, for caches to find."""
+    if not 0 <= fraction < 1:
+        raise ConfigError(f"repeat fraction must be in [0, 1), got {fraction}")
+    rng = random.Random(seed + 1)
+    out = list(requests)
+    for i in range(1, len(out)):
+        if rng.random() < fraction:
+            out[i] = out[rng.randrange(i)]
+    return out
+
+
 @dataclass
 class RequestRecord:
     """What the client saw of one request; seconds throughout, `sent` from the run's start."""
 
     sent: float
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the server's usage figure; 0 when it sends none
     output_tokens: int = 0
     ttft: float | None = None
     e2e: float = 0.0
@@ -201,11 +214,11 @@ class LoadReport:
     completed: int
     failed: int
     duration_s: float
-    input_tokens: int
+    input_tokens: int | None  # None: the server sent no usage, so prompts were not counted
     output_tokens: int
     request_throughput: float
     output_throughput: float  # output tokens/s
-    total_token_throughput: float  # (input + output) tokens/s
+    total_token_throughput: float | None  # (input + output) tokens/s
     latency_ms: dict[str, Summary | None]  # METRICS -> summary over completed requests
     goodput: float | None = None  # requests/s meeting every target
     goodput_targets: str | None = None
@@ -219,13 +232,14 @@ class LoadReport:
                       "tpot": [r.tpot for r in done if r.tpot is not None],
                       "itl": [gap for r in done for gap in r.itls],
                       "e2el": [r.e2e for r in done]}
-        inputs, outputs = sum(r.prompt_tokens for r in done), sum(r.output_tokens for r in done)
+        outputs = sum(r.output_tokens for r in done)
+        inputs = sum(r.prompt_tokens for r in done) if all(r.prompt_tokens for r in done) else None
         errors = list(dict.fromkeys(r.error for r in records if not r.ok))[:5]
         return cls(
             **run, num_requests=len(records), completed=len(done), failed=len(records) - len(done),
             duration_s=duration, input_tokens=inputs, output_tokens=outputs,
             request_throughput=len(done) / duration, output_throughput=outputs / duration,
-            total_token_throughput=(inputs + outputs) / duration,
+            total_token_throughput=None if inputs is None else (inputs + outputs) / duration,
             latency_ms={name: Summary.of([v * 1000 for v in values]) for name, values in per_metric.items()},
             goodput=sum(goodput.met(r) for r in done) / duration if goodput.given else None,
             goodput_targets=str(goodput) if goodput.given else None, errors=errors, records=records)
@@ -260,7 +274,8 @@ class LoadReport:
                  + (f", at most {self.max_concurrency} in flight" if self.max_concurrency else ""),
                  f"  requests: {self.completed} completed, {self.failed} failed, in {self.duration_s:.2f} s",
                  f"  throughput: {self.request_throughput:.2f} req/s, {self.output_throughput:.1f} output tok/s, "
-                 f"{self.total_token_throughput:.1f} total tok/s"]
+                 + (f"{self.total_token_throughput:.1f} total tok/s" if self.total_token_throughput is not None
+                    else "prompt tokens not reported by the server")]
         if self.goodput is not None:
             lines.append(f"  goodput ({self.goodput_targets}): {self.goodput:.2f} req/s")
         for name in METRICS:
@@ -303,52 +318,69 @@ async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-async def run_load(base_url: str, requests: list[LoadRequest], *, model: str | None = None, endpoint: str = "chat",
-                   request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
-                   temperature: float = 0.0, ignore_eos: bool = True, goodput: Goodput = Goodput(),
-                   api_key: str | None = None, label: str = "load", progress: bool = True) -> LoadReport:
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a workload is sent, beside the requests themselves."""
+
+    endpoint: str = "chat"  # ENDPOINTS
+    model: str | None = None  # the id requests name; None: the server's first
+    request_rate: float = math.inf  # Poisson arrivals per second; inf: all at once
+    max_concurrency: int | None = None
+    seed: int = 0  # of the arrivals
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    goodput: Goodput = Goodput()
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ConfigError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if not self.request_rate > 0:
+            raise ConfigError(f"request rate must be > 0 (inf: all at once), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ConfigError(f"max concurrency must be >= 1, got {self.max_concurrency}")
+
+
+async def run_load(base_url: str, requests: list[LoadRequest], settings: LoadSettings = LoadSettings(),
+                   label: str = "load", progress: bool = True) -> LoadReport:
     """Sends `requests` to the server at `base_url` on the arrival schedule and returns the figures."""
-    if endpoint not in ENDPOINTS:
-        raise ConfigError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
-    if not request_rate > 0:
-        raise ConfigError(f"request rate must be > 0 (inf: all at once), got {request_rate}")
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ConfigError(f"max concurrency must be >= 1, got {max_concurrency}")
     base_url = base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    arrivals = arrival_times(len(requests), request_rate, seed)
-    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    arrivals = arrival_times(len(requests), settings.request_rate, settings.seed)
+    slots = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
     # No pool limit: concurrency is the schedule's and the semaphore's to decide, not the client's.
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
-        model = model or await served_model(session, base_url)
+        model = settings.model or await served_model(session, base_url)
         bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False)
         start = time.perf_counter()
 
         async def one(request: LoadRequest, arrival: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
             if slots is None:
-                record = await _send(session, base_url, endpoint, model, request, temperature, ignore_eos, start)
+                record = await _send(session, base_url, model, request, settings, start)
             else:
                 async with slots:
-                    record = await _send(session, base_url, endpoint, model, request, temperature, ignore_eos, start)
+                    record = await _send(session, base_url, model, request, settings, start)
             bar.update()
             return record
 
         records = await asyncio.gather(*(one(r, a) for r, a in zip(requests, arrivals)))
         duration = time.perf_counter() - start
         bar.close()
-    return LoadReport.of(records, duration, goodput, label=label, base_url=base_url, model=model,
-                         endpoint=endpoint, request_rate=request_rate, max_concurrency=max_concurrency)
+    return LoadReport.of(records, duration, settings.goodput, label=label, base_url=base_url, model=model,
+                         endpoint=settings.endpoint, request_rate=settings.request_rate,
+                         max_concurrency=settings.max_concurrency)
 
 
-async def _send(session: aiohttp.ClientSession, base_url: str, endpoint: str, model: str, request: LoadRequest,
-                temperature: float, ignore_eos: bool, run_start: float) -> RequestRecord:
-    body: dict = {"model": model, "max_tokens": request.max_tokens, "temperature": temperature, "stream": True,
-                  "stream_options": {"include_usage": True}}
-    if ignore_eos:
+async def _send(session: aiohttp.ClientSession, base_url: str, model: str, request: LoadRequest,
+                settings: LoadSettings, run_start: float) -> RequestRecord:
+    body: dict = {"model": model, "max_tokens": request.max_tokens, "temperature": settings.temperature,
+                  "stream": True, "stream_options": {"include_usage": True}}
+    if settings.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension, which brisk, SGLang and llama.cpp's server share
+    endpoint = settings.endpoint
     if endpoint == "chat":
         body["messages"] = request.messages
     else:

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from brisk.args import config_flags, engine_config_from_args
 from brisk.bench.harness import brisk_serve, free_port, machine
 from brisk.bench.load import THROUGHPUTS, LoadReport, LoadRequest, latency_figure
-from brisk.bench.serve import measure, workload
+from brisk.bench.serve import load_settings, measure, workload
 from brisk.bench.perplexity import DEFAULT_TEXT, perplexity
 from brisk.config import ConfigError, EngineConfig, ServerConfig, knobs
 from brisk.kernels import cpu as cpu_kernels
@@ -185,6 +185,7 @@ class Optimizer:
     def __init__(self, base: EngineConfig, requests: list[LoadRequest], args, targets: list[Target],
                  out: Path, skip: tuple[str, ...] = (), log=print):
         self.base, self.requests, self.args, self.targets, self.out, self.log = base, requests, args, targets, out, log
+        self.settings = load_settings(args, args.request_rate)
         self.model_path = _model_path(base)
         self.store_path = out / "measurements.json"
         self.stored: dict[str, dict] = json.loads(self.store_path.read_text()) if self.store_path.exists() else {}
@@ -199,8 +200,10 @@ class Optimizer:
         config = candidate.engine(self.base)
         workload = {k: getattr(self.args, k) for k in ("dataset", "dataset_path", "num_prompts", "output_len",
                                                        "ignore_eos", "random_input_len", "random_range_ratio",
+                                                       "repeat_fraction",
                                                        "temperature", "max_concurrency", "request_rate",
-                                                       "workload_seed", "perplexity_tokens", "perplexity_context_len")}
+                                                       "workload_seed", "warmup", "goodput", "text",
+                                                       "perplexity_tokens", "perplexity_context_len")}
         identity = {"engine": config_flags(config), "response_cache": candidate.response_cache,
                     "repeat": candidate.repeat,
                     "workload": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in workload.items()},
@@ -266,7 +269,7 @@ class Optimizer:
             else:  # the embedding model serves only the semantic cache here: not loading it saves seconds
                 flags += ["--embedding-model", "none"]
             with brisk_serve(flags, server, self.args.startup_timeout, candidate.response_cache) as url:
-                return measure(url, self.requests, self.args, candidate.name, self.args.request_rate)
+                return measure(url, self.requests, self.settings, candidate.name, self.args.warmup)
 
     # --- judging
     @property
@@ -366,82 +369,108 @@ def _line(m: Measurement, plain: Measurement | None) -> str:
             if ttft and tpot else f"no completed request ({r.errors[:1]})")
 
 
+@dataclass(frozen=True)
+class Figures:
+    """A measurement as the report shows it."""
+
+    ttft_p50: float | None
+    ttft_p95: float | None
+    tpot_p50: float | None
+    tpot_p95: float | None
+    throughput: float  # output tokens/s
+    cost: float  # $ per million output tokens
+    quality_drop: float  # perplexity increase over plain, %
+
+    @classmethod
+    def of(cls, m: Measurement, opt: Optimizer) -> "Figures":
+        r = m.report
+        return cls(r.metric("ttft_p50_ms"), r.metric("ttft_p95_ms"), r.metric("tpot_p50_ms"), r.metric("tpot_p95_ms"),
+                   r.output_throughput, cost_per_million(r, opt.args.price_per_hour), opt.quality_drop(m))
+
+
 def write_outputs(opt: Optimizer, chosen: Candidate | None, out: Path) -> None:
     """report.md, impact.png and configs.png, and best.yaml for the chosen (or closest) configuration."""
     from brisk.bench.plots import plot_bars
 
     out.mkdir(parents=True, exist_ok=True)
-    price = opt.args.price_per_hour
-    plain = opt.plain
-    rows = []
-    for candidate, m in opt.measured.items():
-        r = m.report
-        rows.append((candidate, m, r.metric("ttft_p50_ms"), r.metric("ttft_p95_ms"), r.metric("tpot_p50_ms"),
-                     r.metric("tpot_p95_ms"), r.output_throughput, cost_per_million(r, price), opt.quality_drop(m)))
+    figures = {c: Figures.of(m, opt) for c, m in opt.measured.items()}
     pick = chosen or opt.closest
-    lines = [
-        "# brisk optimize", "",
-        f"Command: `{shlex.join(['brisk', *sys.argv[1:]])}`", "",
-        f"Machine: {machine()}", "",
-        f"Model: {opt.model_path}", "",
-        f"Workload: {len(opt.requests)} {opt.args.dataset} requests, {opt.args.output_len} output tokens each "
-        f"({'EOS ignored' if opt.args.ignore_eos else 'EOS honoured'}), temperature {opt.args.temperature}; "
-        + (f"Poisson arrivals at {opt.args.request_rate:g} req/s" if not math.isinf(opt.args.request_rate)
-           else "all sent at once") + (f", at most {opt.args.max_concurrency} in flight"
-                                       if opt.args.max_concurrency else "") + ".", "",
-        f"Quality: perplexity over the first {opt.args.perplexity_tokens} tokens of "
-        f"{Path(opt.args.text or DEFAULT_TEXT).name}, against plain (float32 weights and KV cache).", "",
-        f"Targets: {', '.join(map(str, opt.targets)) or 'none'}; perplexity at most "
-        f"+{opt.args.max_quality_drop:g}%. Cost: ${price:g} per machine-hour.", "",
-        "Run-to-run noise: " + (f"plain, measured twice, differed by {opt.noise:.1f}% in output throughput; "
-                                f"differences smaller than that are not told apart." if opt.noise is not None
-                                else "not measured (the budget ran out before plain's second run)."), "",
-    ]
-    if chosen is not None:
-        lines.append(f"**Chosen: {chosen.name}**, the cheapest configuration measured that meets the targets: "
-                     f"{_line(opt.measured[chosen], plain)}; ${cost_per_million(opt.measured[chosen].report, price):.3f}"
-                     f" per million output tokens. `best.yaml` serves it: `brisk serve --config {out / 'best.yaml'}`.")
-    else:
-        lines.append(f"**No configuration measured meets the targets.** The closest is {pick.name}: "
-                     f"{_line(opt.measured[pick], plain)}. `best.yaml` holds it, for reference.")
-    lines += ["", "## Technique impact (each alone, against plain)", "",
-              "| technique | what | TTFT p50 | TPOT p50 | output tok/s | $ per M tokens | perplexity |",
-              "|---|---|---:|---:|---:|---:|---:|"]
-    base_ttft, base_tpot, base_tput = plain.report.metric("ttft_p50_ms"), plain.report.metric("tpot_p50_ms"), \
-        plain.report.output_throughput
-    impact_rows = []
-    for candidate, m, ttft50, _, tpot50, _, tput, cost, drop in rows:
-        if len(candidate.techniques) > 1 or candidate.repeat:
-            continue
-        t = technique(candidate.techniques[0]) if candidate.techniques else None
-        lines.append(f"| {candidate.name} | {t.what if t else 'float32, nothing else'} | {_rel(ttft50, base_ttft)} "
-                     f"| {_rel(tpot50, base_tpot)} | {tput:.1f} ({_pct(tput, base_tput)}) | {cost:.3f} "
-                     f"| {m.perplexity:.3f} ({drop:+.2f}%) |")
-        if t is not None:
-            impact_rows.append((candidate.name, {
-                "TTFT p50 change (%)": _change(ttft50, base_ttft), "TPOT p50 change (%)": _change(tpot50, base_tpot),
-                "throughput change (%)": _change(tput, base_tput), "perplexity change (%)": drop}))
-    for name, why in opt.skipped.items():
-        lines.append(f"| {name} | {technique(name).what} | not run: {why} | | | | |")
+    lines = _summary(opt, chosen, pick, out)
+    table, impact = _impact_table(opt, figures)
+    lines += table
     lines += ["", "## Every configuration measured", "",
               "| configuration | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) | output tok/s | $ per M tokens "
               "| perplexity change | meets targets |", "|---|---:|---:|---:|---:|---:|---|"]
-    for candidate, m, ttft50, ttft95, tpot50, tpot95, tput, cost, drop in sorted(rows, key=lambda row: row[7]):
-        miss = opt.shortfall(m)
-        lines.append(f"| {candidate.name}{' (reused)' if m.reused else ''} | {_ms(ttft50)} / {_ms(ttft95)} "
-                     f"| {_ms(tpot50)} / {_ms(tpot95)} | {tput:.1f} | {cost:.3f} | {drop:+.2f}% "
-                     f"| {'yes' if miss == 0 else 'no'} |")
+    for candidate, f in sorted(figures.items(), key=lambda item: item[1].cost):
+        m = opt.measured[candidate]
+        lines.append(f"| {candidate.name}{' (reused)' if m.reused else ''} | {_ms(f.ttft_p50)} / {_ms(f.ttft_p95)} "
+                     f"| {_ms(f.tpot_p50)} / {_ms(f.tpot_p95)} | {f.throughput:.1f} | {f.cost:.3f} "
+                     f"| {f.quality_drop:+.2f}% | {'yes' if opt.shortfall(m) == 0 else 'no'} |")
     lines += ["", "Percent changes are against plain; for latency, negative is faster. Prefix caching and the "
-                  "response cache help only when requests share prefixes or repeat: on a workload of distinct "
-                  "questions they cost their bookkeeping and gain little.", "",
+                  "response cache help only as far as requests share prefixes or repeat (--repeat-fraction); on "
+                  "distinct questions they cost their bookkeeping and gain little.", "",
               "![technique impact](impact.png)", "", "![configurations](configs.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
-    if impact_rows:
-        plot_bars(impact_rows, str(out / "impact.png"), f"technique impact against plain\n{machine()}")
-    plot_bars([(c.name, {"output tok/s": tput, "TTFT p95 (ms)": ttft95 or 0, "TPOT p95 (ms)": tpot95 or 0})
-               for c, _, _, ttft95, _, tpot95, tput, _, _ in rows], str(out / "configs.png"),
-              f"configurations measured\n{machine()}")
+    if impact:
+        plot_bars(impact, str(out / "impact.png"), f"technique impact against plain\n{machine()}")
+    plot_bars([(c.name, {"output tok/s": f.throughput, "TTFT p95 (ms)": f.ttft_p95 or 0,
+                         "TPOT p95 (ms)": f.tpot_p95 or 0}) for c, f in figures.items()],
+              str(out / "configs.png"), f"configurations measured\n{machine()}")
     write_config(pick, opt, out / "best.yaml", chosen is not None)
+
+
+def _summary(opt: Optimizer, chosen: Candidate | None, pick: Candidate, out: Path) -> list[str]:
+    """The report's head: how it was measured, and what was chosen."""
+    a = opt.args
+    arrivals = (f"Poisson arrivals at {a.request_rate:g} req/s" if not math.isinf(a.request_rate)
+                else "all sent at once") + (f", at most {a.max_concurrency} in flight" if a.max_concurrency else "")
+    noise = (f"plain, measured twice, differed by {opt.noise:.1f}% in output throughput; differences smaller than "
+             f"that are not told apart." if opt.noise is not None
+             else "not measured (the budget ran out before plain's second run).")
+    lines = ["# brisk optimize", "", f"Command: `{shlex.join(['brisk', *sys.argv[1:]])}`", "",
+             f"Machine: {machine()}", "", f"Model: {opt.model_path}", "",
+             f"Workload: {len(opt.requests)} {a.dataset} requests, {a.output_len} output tokens each "
+             f"({'EOS ignored' if a.ignore_eos else 'EOS honoured'}), temperature {a.temperature}, "
+             f"{a.repeat_fraction:.0%} of them repeating an earlier one; {arrivals}.", "",
+             f"Quality: perplexity over the first {a.perplexity_tokens} tokens of {Path(a.text or DEFAULT_TEXT).name}, "
+             f"against plain (float32 weights and KV cache).", "",
+             f"Targets: {', '.join(map(str, opt.targets)) or 'none'}; perplexity at most +{a.max_quality_drop:g}%. "
+             f"Cost: ${a.price_per_hour:g} per machine-hour.", "", f"Run-to-run noise: {noise}", ""]
+    m = opt.measured[pick]
+    if chosen is not None:
+        lines.append(f"**Chosen: {chosen.name}**, the cheapest configuration measured that meets the targets: "
+                     f"{_line(m, opt.plain)}; ${cost_per_million(m.report, a.price_per_hour):.3f} per million output "
+                     f"tokens. `best.yaml` serves it: `brisk serve --config {out / 'best.yaml'}`.")
+    else:
+        lines.append(f"**No configuration measured meets the targets.** The closest is {pick.name}: "
+                     f"{_line(m, opt.plain)}. `best.yaml` holds it, for reference.")
+    return lines
+
+
+def _impact_table(opt: Optimizer, figures: dict[Candidate, Figures]) -> tuple[list[str], list[tuple[str, dict]]]:
+    """The technique-impact table's markdown, and its rows for the plot."""
+    lines = ["", "## Technique impact (each alone, against plain)", "",
+              "| technique | what | TTFT p50 | TPOT p50 | output tok/s | $ per M tokens | perplexity |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    base = figures[Candidate(())]
+    impact = []
+    for candidate, f in figures.items():
+        if len(candidate.techniques) > 1 or candidate.repeat:
+            continue
+        t = technique(candidate.techniques[0]) if candidate.techniques else None
+        lines.append(f"| {candidate.name} | {t.what if t else 'float32, nothing else'} "
+                     f"| {_rel(f.ttft_p50, base.ttft_p50)} | {_rel(f.tpot_p50, base.tpot_p50)} "
+                     f"| {f.throughput:.1f} ({_pct(f.throughput, base.throughput)}) | {f.cost:.3f} "
+                     f"| {opt.measured[candidate].perplexity:.3f} ({f.quality_drop:+.2f}%) |")
+        if t is not None:
+            impact.append((candidate.name, {
+                "TTFT p50 change (%)": _change(f.ttft_p50, base.ttft_p50),
+                "TPOT p50 change (%)": _change(f.tpot_p50, base.tpot_p50),
+                "throughput change (%)": _change(f.throughput, base.throughput),
+                "perplexity change (%)": f.quality_drop}))
+    for name, why in opt.skipped.items():
+        lines.append(f"| {name} | {technique(name).what} | not run: {why} | | | | |")
+    return lines, impact
 
 
 def write_config(candidate: Candidate, opt: Optimizer, path: Path, meets: bool) -> None:

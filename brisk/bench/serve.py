@@ -16,62 +16,85 @@ import json
 import math
 import shlex
 import sys
-from contextlib import contextmanager, nullcontext
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator
 
 from brisk.args import config_flags, engine_config_from_args
 from brisk.bench.harness import brisk_serve, free_port, machine
-from brisk.bench.load import (Goodput, LoadReport, LoadRequest, jsonl_requests, mtbench_requests, random_requests,
-                              run_load)
+from brisk.bench.load import (Goodput, LoadReport, LoadRequest, LoadSettings, jsonl_requests, mtbench_requests,
+                              random_requests, run_load, with_repeats)
 from brisk.config import ConfigError, ServerConfig
 from brisk.model.loader import open_checkpoint
 
 
 def workload(args) -> list[LoadRequest]:
-    """The requests `--dataset` names, `--num-prompts` of them."""
+    """The requests `--dataset` names, `--num-prompts` of them, `--repeat-fraction` of them
+    repeating an earlier one."""
     if args.dataset == "mtbench":
-        return mtbench_requests(args.num_prompts, args.output_len, args.dataset_path)
-    if args.dataset == "jsonl":
+        requests = mtbench_requests(args.num_prompts, args.output_len, args.dataset_path)
+    elif args.dataset == "jsonl":
         if not args.dataset_path:
             raise ConfigError("--dataset jsonl needs --dataset-path FILE")
-        return jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
-    tokenizer = open_checkpoint(args.tokenizer or args.model).tokenizer
-    return random_requests(args.num_prompts, args.random_input_len, args.output_len, args.random_range_ratio,
-                           tokenizer, args.workload_seed)
+        requests = jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
+    else:
+        tokenizer = open_checkpoint(args.tokenizer or args.model).tokenizer
+        requests = random_requests(args.num_prompts, args.random_input_len, args.output_len, args.random_range_ratio,
+                                   tokenizer, args.workload_seed)
+    return with_repeats(requests, args.repeat_fraction, args.workload_seed)
+
+
+def load_settings(args, request_rate: float) -> LoadSettings:
+    """The load flags of a `brisk bench ...` or `brisk optimize` command, checked before any
+    server starts."""
+    return LoadSettings(endpoint=getattr(args, "endpoint", "chat"), model=getattr(args, "model_name", None),
+                        request_rate=request_rate, max_concurrency=args.max_concurrency, seed=args.workload_seed,
+                        temperature=args.temperature, ignore_eos=args.ignore_eos,
+                        goodput=Goodput.parse(args.goodput or ()), api_key=getattr(args, "api_key", None))
 
 
 @contextmanager
-def target(args) -> Iterator[str]:
-    """The base URL to load: --base-url, or a `brisk serve` of these engine flags for the block."""
+def target(args) -> Iterator[tuple[str, bool]]:
+    """The base URL to load, and whether it is a server of this command's own: --base-url, or
+    a `brisk serve` of these engine flags for the block (without an embedding model, which
+    generation does not use)."""
     if args.base_url:
-        with nullcontext(args.base_url.rstrip("/")) as url:
-            yield url
+        yield args.base_url.rstrip("/"), False
         return
     server = ServerConfig(port=free_port(), log_level="warning")
-    with brisk_serve([*config_flags(engine_config_from_args(args)), *config_flags(server)], server,
-                     args.startup_timeout) as url:
-        yield url
+    flags = [*config_flags(engine_config_from_args(args)), *config_flags(server), "--embedding-model", "none"]
+    with brisk_serve(flags, server, args.startup_timeout) as url:
+        yield url, True
 
 
-def measure(base_url: str, requests: list[LoadRequest], args, label: str, rate: float,
+# The warm-up's question shares nothing with a workload's but the chat template, so it leaves
+# no prompt of the workload in the prefix cache.
+WARMUP = LoadRequest("Count from one to ten.", 8)
+
+
+def measure(base_url: str, requests: list[LoadRequest], settings: LoadSettings, label: str, warmup: int = 2,
             progress: bool = False) -> LoadReport:
-    """A warm-up of `--warmup` short requests (first-call allocations and compilation, outside
-    the figures), then the workload at `rate` with the load flags of `args`."""
-    options = dict(model=getattr(args, "model_name", None), endpoint=getattr(args, "endpoint", "chat"),
-                   max_concurrency=args.max_concurrency, seed=args.workload_seed, temperature=args.temperature,
-                   ignore_eos=args.ignore_eos, api_key=getattr(args, "api_key", None))
-    if args.warmup:
-        warm = [LoadRequest(r.content, min(r.max_tokens, 8)) for r in requests[:args.warmup]]
-        asyncio.run(run_load(base_url, warm, **options, label="warm-up", progress=False))
-    return asyncio.run(run_load(base_url, requests, **options, request_rate=rate, label=label, progress=progress,
-                                goodput=Goodput.parse(args.goodput or ())))
+    """`warmup` short requests (first-call allocations and compilation, outside the figures),
+    then the workload."""
+    if warmup:
+        asyncio.run(run_load(base_url, [WARMUP] * warmup, replace(settings, request_rate=math.inf,
+                                                                    goodput=Goodput()), "warm-up", progress=False))
+    return asyncio.run(run_load(base_url, requests, settings, label, progress=progress))
 
 
-def load_runs(base_url: str, requests: list[LoadRequest], rates: list[float], args, label: str) -> list[LoadReport]:
-    """One run of the workload per rate, each printed as it ends."""
+def load_runs(base_url: str, own_server: bool, requests: list[LoadRequest], rates: list[float], args,
+              label: str) -> list[LoadReport]:
+    """One run of the workload per rate, each printed as it ends. On a server of this command's
+    own the prefix cache is emptied before each rate, so a rate does not find the prompts the
+    one before it left there (another server is loaded as it is)."""
     reports = []
     for rate in rates:
-        report = measure(base_url, requests, args, label, rate, progress=not args.no_progress)
+        if own_server:
+            request = urllib.request.Request(f"{base_url}/v1/cache", method="DELETE")
+            urllib.request.urlopen(request, timeout=30).close()
+        report = measure(base_url, requests, load_settings(args, rate), label, args.warmup,
+                         progress=not args.no_progress)
         print("\n".join(report.lines()), flush=True)
         reports.append(report)
     return reports
@@ -86,12 +109,14 @@ def write_json(path: str, runs: dict[str, list[LoadReport]]) -> None:
 def main(args) -> None:
     requests = workload(args)
     rates = args.sweep_rates or [args.request_rate]
+    for rate in rates:
+        load_settings(args, rate)  # a bad flag fails here, before a server starts
     print(machine())
     print(f"workload: {len(requests)} {args.dataset} requests, {args.output_len} output tokens "
           f"({'EOS ignored' if args.ignore_eos else 'EOS honoured'}), temperature {args.temperature}")
     label = args.label or ("brisk serve" if not args.base_url else args.base_url)
-    with target(args) as base_url:
-        reports = load_runs(base_url, requests, rates, args, label)
+    with target(args) as (base_url, own_server):
+        reports = load_runs(base_url, own_server, requests, rates, args, label)
     if args.output_json:
         write_json(args.output_json, {label: reports})
         print(f"wrote {args.output_json}")

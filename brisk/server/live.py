@@ -3,10 +3,12 @@ the dashboard (dashboard.html) draws.
 
 A StatLogger beside the Prometheus one, fed after every engine step with the same records.
 Prometheus keeps cumulative counters and histograms for a scraper to difference; a page polled
-every second wants the recent past instead, so this keeps one bucket per wall-clock second for
-the last WINDOW seconds: tokens, finished requests, steps and their batch sizes, the gauges as
-the second's last step left them, and every TTFT and inter-token latency observed. A snapshot
-fills the seconds no step ran (an idle server) with zero work and the gauges carried forward.
+every second wants the recent past instead, so this keeps one bucket per wall-clock second:
+tokens, finished requests, steps and their batch sizes, prefix-cache lookups, the gauges as the
+second's last step left them, and every TTFT and inter-token latency observed. A snapshot
+covers the last WINDOW whole seconds (the second under way is left out until it is whole);
+seconds in which no step ran (an idle server) count zero work, and the gauges carry over from
+the last step before them.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from brisk.engine.stats import EngineSnapshot, IterationStats, percentile
+import numpy as np
 
-WINDOW = 60  # seconds of history in a snapshot
-LATENCY_WINDOW = 10  # seconds of samples behind each point of a latency series
+from brisk.engine.stats import EngineSnapshot, IterationStats
+
+WINDOW = 60  # whole seconds in a snapshot
+LATENCY_WINDOW = 10  # seconds of samples behind each point of a latency series (fewer at the window's start)
 
 
 @dataclass
@@ -30,6 +34,8 @@ class _Second:
     finished: int = 0
     steps: int = 0
     sequences: int = 0  # summed over the steps: / steps = mean batch size
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache during the second
+    prefix_hits: int = 0
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     gauges: EngineSnapshot | None = None  # the second's last
@@ -39,8 +45,10 @@ class LiveStats:
     def __init__(self, clock: Callable[[], float] = time.time):
         self._clock = clock
         self._seconds: deque[tuple[int, _Second]] = deque()
+        self._expired: EngineSnapshot | None = None  # the gauges of the newest bucket dropped from the deque
         self._last: EngineSnapshot | None = None
         self._lock = threading.Lock()  # record runs on the engine's thread, snapshot on the event loop
+        self._cached: tuple[int, dict] | None = None  # one snapshot per second, however many pages poll
         self.started = clock()
 
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
@@ -48,8 +56,8 @@ class LiveStats:
         with self._lock:
             if not self._seconds or self._seconds[-1][0] != second:
                 self._seconds.append((second, _Second()))
-                while self._seconds[0][0] <= second - WINDOW:
-                    self._seconds.popleft()
+                while self._seconds[0][0] <= second - WINDOW - 1:
+                    self._expired = self._seconds.popleft()[1].gauges or self._expired
             bucket = self._seconds[-1][1]
             bucket.prompt_tokens += iteration.num_prompt_tokens
             bucket.generation_tokens += iteration.num_generation_tokens
@@ -57,29 +65,32 @@ class LiveStats:
             if iteration.num_sequences:
                 bucket.steps += 1
                 bucket.sequences += iteration.num_sequences
+            if self._last is not None:  # the snapshot's prefix figures are cumulative
+                bucket.prefix_queries += snapshot.prefix_cache_queries - self._last.prefix_cache_queries
+                bucket.prefix_hits += snapshot.prefix_cache_hits - self._last.prefix_cache_hits
             bucket.ttfts.extend(iteration.time_to_first_tokens)
             bucket.itls.extend(iteration.inter_token_latencies)
             bucket.gauges = self._last = snapshot
 
     def snapshot(self) -> dict:
-        """The last WINDOW whole seconds as series (oldest first, `t` in seconds before now),
-        the gauges now, and the latency percentiles over the whole window."""
+        """The last WINDOW whole seconds as series (oldest first; `t`: seconds before the
+        current one), the gauges now, and latency percentiles over the window."""
         now = int(self._clock())
-        with self._lock:
-            by_second = dict(self._seconds)
-            last = self._last
-        # The seconds before the first bucket in the window inherit the gauges of nothing: zeros.
-        carried = None
+        if self._cached is not None and self._cached[0] == now:
+            return self._cached[1]
+        with self._lock:  # copies: record() goes on filling the current bucket meanwhile
+            by_second = {s: replace(b, ttfts=list(b.ttfts), itls=list(b.itls)) for s, b in self._seconds}
+            carried, last = self._expired, self._last
         first = now - WINDOW
-        for second, bucket in by_second.items():
-            if second <= first and bucket.gauges is not None:
+        for second, bucket in by_second.items():  # the gauges standing when the window opens
+            if second < first and bucket.gauges is not None:
                 carried = bucket.gauges
         series: dict[str, list] = {name: [] for name in (
             "t", "output_tokens_per_s", "prompt_tokens_per_s", "requests_finished_per_s", "mean_batch_size",
             "running", "waiting", "kv_cache_usage", "prefix_cache_hit_rate", "ttft_p50_ms", "ttft_p99_ms",
             "itl_p50_ms", "itl_p99_ms")}
         recent: deque[_Second] = deque(maxlen=LATENCY_WINDOW)
-        for second in range(first + 1, now + 1):  # the current second is partial; it is shown as it stands
+        for second in range(first, now):
             bucket = by_second.get(second, _Second())
             carried = bucket.gauges or carried
             recent.append(bucket)
@@ -91,33 +102,35 @@ class LiveStats:
             series["running"].append(carried.num_running if carried else 0)
             series["waiting"].append(carried.num_waiting if carried else 0)
             series["kv_cache_usage"].append(carried.kv_cache_usage if carried else 0.0)
-            series["prefix_cache_hit_rate"].append(_hit_rate(carried))
-            for name, samples in (("ttft", [v for b in recent for v in b.ttfts]),
-                                  ("itl", [v for b in recent for v in b.itls])):
-                for q in (50, 99):
-                    series[f"{name}_p{q}_ms"].append(percentile(samples, q / 100) * 1000 if samples else None)
-        window = [b for s, b in by_second.items() if s > first]
-        return {
+            series["prefix_cache_hit_rate"].append(
+                bucket.prefix_hits / bucket.prefix_queries if bucket.prefix_queries else None)
+            for name in ("ttft", "itl"):
+                p50, p99 = _percentiles([v for b in recent for v in getattr(b, name + "s")], (50, 99))
+                series[f"{name}_p50_ms"].append(p50)
+                series[f"{name}_p99_ms"].append(p99)
+        window = [b for s, b in by_second.items() if first <= s < now]
+        snap = {
             "window_s": WINDOW,
             "uptime_s": self._clock() - self.started,
             "now": {"running": last.num_running if last else 0, "waiting": last.num_waiting if last else 0,
                     "kv_cache_usage": last.kv_cache_usage if last else 0.0,
-                    "prefix_cache_hit_rate": _hit_rate(last)},
+                    "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
+                                              if last and last.prefix_cache_queries else 0.0)},
             "latency_ms": {name: _summary([v for b in window for v in getattr(b, name + "s")])
                            for name in ("ttft", "itl")},
             "series": series,
         }
+        self._cached = (now, snap)
+        return snap
 
 
-def _hit_rate(snapshot: EngineSnapshot | None) -> float:
-    """Prompt tokens served from the prefix cache over those looked up, since the start."""
-    if snapshot is None or not snapshot.prefix_cache_queries:
-        return 0.0
-    return snapshot.prefix_cache_hits / snapshot.prefix_cache_queries
+def _percentiles(seconds: list[float], qs: tuple[int, ...]) -> list[float | None]:
+    """The qs-th percentiles in ms (linear interpolation, as brisk's other figures), one sort."""
+    if not seconds:
+        return [None] * len(qs)
+    return [float(v) * 1000 for v in np.percentile(np.asarray(seconds), qs)]
 
 
 def _summary(seconds: list[float]) -> dict:
-    if not seconds:
-        return {"count": 0, "p50": None, "p90": None, "p99": None}
-    return {"count": len(seconds), **{f"p{q}": percentile(seconds, q / 100) * 1000 for q in (50, 90, 99)}}
-
+    p50, p90, p99 = _percentiles(seconds, (50, 90, 99))
+    return {"count": len(seconds), "p50": p50, "p90": p90, "p99": p99}

@@ -8,7 +8,7 @@ running) and the policy around it:
 - a sequence drafts no further than the last token it may generate;
 - sequences under a grammar do not draft (their drafts would have to walk the grammar too);
 - past `disable_by_batch_size` running sequences nobody drafts: the batch alone then keeps the
-  step busy computing, so verify rows are no longer nearly free (measured in BENCHMARKS.md).
+  step busy computing, so verify rows are no longer nearly free (measured in docs/benchmark-notes.md).
 
 Turning speculation off changes which positions are verified together, never what is sampled
 at a position (spec/verify.py): with exactly reproducible logits, outputs do not depend on it.
@@ -27,7 +27,7 @@ from brisk.spec.medusa_drafter import MedusaDrafter
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.verify import Draft
 
-# Running sequences past which speculation is off by default, per method (BENCHMARKS.md, CPU):
+# Running sequences past which speculation is off by default, per method (docs/benchmark-notes.md, CPU):
 # prompt lookup costs only the verify rows, and on copying prompts still paid 1.74x at 2
 # sequences and 1.2x at 3, but lost at 4 (0.9x; chat prompts 0.93-0.95x at 2-4); a draft model
 # costs a pass of its own per draft token, which already lost at 2 sequences (0.6x plain

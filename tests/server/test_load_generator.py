@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from brisk.bench.load import Goodput, LoadReport, LoadRequest, arrival_times, mtbench_requests, run_load
+from brisk.bench.load import (Goodput, LoadReport, LoadRequest, LoadSettings, arrival_times, mtbench_requests,
+                              run_load, with_repeats)
 from brisk.config import ConfigError
 
 pytestmark = pytest.mark.real_model
@@ -31,17 +32,19 @@ def _check_consistent(report: LoadReport, requests: list[LoadRequest]) -> None:
         assert r.tpot is None or r.tpot * (r.output_tokens - 1) <= r.e2e - r.ttft + 1e-9
     assert math.isclose(report.request_throughput, report.completed / report.duration_s)
     assert math.isclose(report.output_throughput, report.output_tokens / report.duration_s)
-    assert report.total_token_throughput >= report.output_throughput
+    if report.input_tokens is not None:  # the server reported usage
+        assert report.total_token_throughput == pytest.approx((report.input_tokens + report.output_tokens)
+                                                              / report.duration_s)
     if report.goodput is not None:
         assert 0 <= report.goodput <= report.request_throughput
 
 
 def test_figures_add_up_on_the_real_model(base_url):
     requests = mtbench_requests(8, 12)
-    report = asyncio.run(run_load(base_url, requests, request_rate=20.0, seed=3, progress=False,
-                                  goodput=Goodput(ttft=60_000, tpot=60_000)))
+    report = asyncio.run(run_load(base_url, requests, LoadSettings(request_rate=20.0, seed=3, goodput=Goodput(
+        ttft=60_000, tpot=60_000)), progress=False))
     _check_consistent(report, requests)
-    assert report.failed == 0 and report.model == "smollm2"
+    assert report.failed == 0 and report.model == "smollm2" and report.input_tokens > 8 * 10
     # ignore_eos: every request generated exactly its max_tokens, as the server's usage says
     assert [r.output_tokens for r in report.records] == [12] * 8
     assert all(r.prompt_tokens > 10 for r in report.records)
@@ -55,16 +58,17 @@ def test_figures_add_up_on_the_real_model(base_url):
 
 def test_goodput_counts_only_requests_meeting_every_target(tiny_url):
     requests = [LoadRequest("w5 w6 w7", 4)] * 6
-    strict = asyncio.run(run_load(tiny_url, requests, progress=False, goodput=Goodput(ttft=0.001)))
+    strict = asyncio.run(run_load(tiny_url, requests, LoadSettings(goodput=Goodput(ttft=0.001)), progress=False))
     _check_consistent(strict, requests)
     assert strict.goodput == 0.0 and strict.goodput_targets == "ttft:0.001"
-    loose = asyncio.run(run_load(tiny_url, requests, progress=False, goodput=Goodput(ttft=60_000, e2el=60_000)))
+    loose = asyncio.run(run_load(tiny_url, requests, LoadSettings(goodput=Goodput(ttft=60_000, e2el=60_000)),
+                                progress=False))
     assert loose.goodput == loose.request_throughput > 0
 
 
 def test_max_concurrency_caps_requests_in_flight(tiny_url):
     requests = [LoadRequest("w5 w6", 16)] * 8
-    report = asyncio.run(run_load(tiny_url, requests, max_concurrency=2, progress=False))
+    report = asyncio.run(run_load(tiny_url, requests, LoadSettings(max_concurrency=2), progress=False))
     _check_consistent(report, requests)
     events = sorted([(r.sent, 1) for r in report.records] + [(r.sent + r.e2e, -1) for r in report.records])
     in_flight, most = 0, 0
@@ -82,7 +86,7 @@ def test_a_failing_request_is_counted_with_its_error(tiny_url, tmp_path):
 
     requests = jsonl_requests(str(path), 4, 8)
     assert [r.max_tokens for r in requests] == [4, 100_000, 4, 100_000]
-    report = asyncio.run(run_load(tiny_url, requests, endpoint="completions", progress=False))
+    report = asyncio.run(run_load(tiny_url, requests, LoadSettings(endpoint="completions"), progress=False))
     assert (report.completed, report.failed) == (2, 2)
     assert report.errors and report.errors[0].startswith("HTTP 400")
     assert report.output_tokens == 8
@@ -93,6 +97,13 @@ def test_bad_workload_and_arrival_settings_are_refused(tmp_path):
     gaps = [b - a for a, b in zip(*(lambda t: (t, t[1:]))(arrival_times(4001, 50.0, seed=1)))]
     assert abs(sum(gaps) / len(gaps) - 1 / 50) < 0.002  # exponential gaps of mean 1 / rate
     assert arrival_times(5, 2.0, seed=7) == arrival_times(5, 2.0, seed=7)
+    distinct = [LoadRequest(f"q{i}", 4) for i in range(400)]
+    repeated = with_repeats(distinct, 0.25, seed=2)
+    assert repeated[0] == distinct[0] and len(repeated) == 400
+    assert 70 <= sum(r != d for r, d in zip(repeated, distinct)) <= 130  # about a quarter repeat
+    assert all(r in repeated[:i] for i, (r, d) in enumerate(zip(repeated, distinct)) if r != d)  # an earlier one
+    with pytest.raises(ConfigError, match="repeat fraction"):
+        with_repeats(distinct, 1.0)
     with pytest.raises(ConfigError, match="goodput targets"):
         Goodput.parse(["latency:100"])
     with pytest.raises(ConfigError, match="milliseconds"):
@@ -104,7 +115,9 @@ def test_bad_workload_and_arrival_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="bad.jsonl:1"):
         jsonl_requests(str(bad), 1, 8)
     with pytest.raises(ConfigError, match="request rate"):
-        asyncio.run(run_load("http://127.0.0.1:9", [LoadRequest("x", 1)], request_rate=0.0, progress=False))
+        LoadSettings(request_rate=0.0)
+    with pytest.raises(ConfigError, match="endpoint"):
+        LoadSettings(endpoint="embeddings")
 
 
 def test_bench_serve_sweeps_rates_into_json_and_a_plot(tiny_engine, tiny_url, tmp_path):
