@@ -167,7 +167,8 @@ def add_bench_parser(sub) -> None:
     db.add_argument("--num-prompts", type=int, default=48, help="MT-Bench requests, a third repeating earlier ones")
     db.add_argument("--output-len", type=int, default=64)
     db.add_argument("--request-rate", type=_rate, default=2.0)
-    db.add_argument("--seconds", type=float, default=40.0, help="load time before the screenshot")
+    db.add_argument("--seconds", type=float, default=20.0,
+                    help="load time before the screenshot (the load should last longer)")
     db.add_argument("--startup-timeout", type=float, default=300.0)
     add_engine_arguments(db)
     db.set_defaults(func=_main_of("brisk.bench.dashboard"))

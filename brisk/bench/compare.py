@@ -103,7 +103,7 @@ def main(args) -> None:
     settings = load_settings(args, args.request_rate)
     model_path = config.model or default_model_path()
     print(machine())
-    print(f"model: {model_path}; brisk engine: {config.dtype}, quantization {config.quantization or 'none'}")
+    print(f"model: {os.path.basename(model_path)}; brisk engine: {config.dtype}, quantization {config.quantization or 'none'}")
     print(f"workload: {len(requests)} {args.dataset} requests, {args.output_len} output tokens each (EOS ignored), "
           f"greedy; servers loaded {'all at once' if args.request_rate == float('inf') else f'at {args.request_rate:g} req/s'}"
           + (f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""))

@@ -3,14 +3,16 @@ as a screenshot (BENCHMARKS.md shows it).
 
 A `brisk serve` of the engine flags, loaded by the load generator at `--request-rate` on a
 thread of this process, and Debian's Chromium (driven by selenium through chromium-driver;
-`make install` installs both) on GET /dashboard. After `--seconds` of load the page is
-photographed, and the figures it shows are printed beside the load generator's own.
+`make install` installs both) on GET /dashboard. `--seconds` into the load, while it still
+runs, the page is photographed; the figures it showed are printed beside the load
+generator's own once the load is done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import tempfile
 import threading
 import time
 
@@ -43,30 +45,29 @@ def open_browser(width: int = 1400, height: int = 900):
 def main(args) -> None:
     browser = open_browser()
     server = ServerConfig(port=free_port(), log_level="warning")
-    requests = mtbench_requests(args.num_prompts, args.output_len)
+    # The response cache on, as served by default, so its panel has figures: a third of the
+    # requests repeat an earlier one. Its store is a new one, so no earlier run's answers are found.
+    requests = with_repeats(mtbench_requests(args.num_prompts, args.output_len), 1 / 3)
     print(machine())
     try:
-        # The response cache on, as served by default, so its panel has figures: a third of the
-        # requests repeat an earlier one.
-        repeated = with_repeats(requests, 1 / 3)
-        with brisk_serve([*config_flags(engine_config_from_args(args)), *config_flags(server)], server,
-                         args.startup_timeout, response_cache=True) as url:
-            browser.get(f"{url}/dashboard")
-            result: list[LoadReport] = []
-            load = threading.Thread(target=lambda: result.append(asyncio.run(run_load(
-                url, repeated, LoadSettings(request_rate=args.request_rate), "dashboard load", progress=False))))
-            load.start()
-            load.join(timeout=args.seconds)
-            time.sleep(1.5)  # the page's next poll
-            browser.save_screenshot(args.screenshot)
-            shown = {name: browser.find_element("id", f"tile-{name}").text
-                     for name in ("throughput", "running", "waiting", "kv", "prefix", "cache", "ttft")}
-            load.join()
-        print(f"load: {len(repeated)} MT-Bench chat requests (a third repeating an earlier one, temperature 0), "
+        with tempfile.TemporaryDirectory(prefix="brisk-dashboard-") as data_dir:
+            flags = [*config_flags(engine_config_from_args(args)), *config_flags(server), "--data-dir", data_dir]
+            with brisk_serve(flags, server, args.startup_timeout, response_cache=True) as url:
+                browser.get(f"{url}/dashboard")
+                result: list[LoadReport] = []
+                load = threading.Thread(target=lambda: result.append(asyncio.run(run_load(
+                    url, requests, LoadSettings(request_rate=args.request_rate), "dashboard load", progress=False))))
+                load.start()
+                time.sleep(args.seconds)  # the load still running: the page as its user would see it
+                browser.save_screenshot(args.screenshot)
+                shown = {name: browser.find_element("id", f"tile-{name}").text
+                         for name in ("throughput", "running", "waiting", "kv", "prefix", "cache", "ttft")}
+                errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+                load.join()
+        print(f"load: {len(requests)} MT-Bench chat requests (a third repeating an earlier one, temperature 0), "
               f"{args.output_len} tokens, Poisson at {args.request_rate:g} req/s; screenshot after {args.seconds:g} s")
         print("\n".join(result[0].lines()))
         print("the page showed: " + "; ".join(f"{name} {value}" for name, value in shown.items()))
-        errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         print(f"page errors: {errors or 'none'}")
         print(f"wrote {args.screenshot}")
     finally:

@@ -428,7 +428,7 @@ def _summary(opt: Optimizer, chosen: Candidate | None, pick: Candidate, out: Pat
              f"that are not told apart." if opt.noise is not None
              else "not measured (the budget ran out before plain's second run).")
     lines = ["# brisk optimize", "", f"Command: `{shlex.join(['brisk', *sys.argv[1:]])}`", "",
-             f"Machine: {machine()}", "", f"Model: {opt.model_path}", "",
+             f"Machine: {machine()}", "", f"Model: {os.path.basename(opt.model_path)}", "",
              f"Workload: {len(opt.requests)} {a.dataset} requests, {a.output_len} output tokens each "
              f"({'EOS ignored' if a.ignore_eos else 'EOS honoured'}), temperature {a.temperature}, "
              f"{a.repeat_fraction:.0%} of them repeating an earlier one; {arrivals}.", "",
