@@ -295,8 +295,11 @@ class Optimizer:
         candidates = [Candidate(())] + [Candidate((t.name,)) for t in TECHNIQUES if self._applies(t)]
         bar = tqdm(total=len(candidates) * 2, desc="optimize", unit="config", disable=self.args.no_progress)
         self.log(f"measuring plain and {len(candidates) - 1} techniques on their own:")
-        for candidate in candidates:
+        for i, candidate in enumerate(candidates):
             if self.measure(candidate) is None:
+                self.log("  the time budget is spent")
+                for left in candidates[max(i, 1):]:  # candidates[0] is plain
+                    self.skipped[left.techniques[0]] = "the time budget ran out"
                 break
             bar.update()
         if self.plain is None:

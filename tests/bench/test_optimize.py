@@ -4,15 +4,18 @@ by `brisk serve --config`."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
 from brisk.args import read_config_file
-from brisk.bench.optimize import TECHNIQUES, Candidate, Target
-from brisk.cli import main
+from brisk.bench.load import Goodput, LoadReport, LoadRequest, RequestRecord
+from brisk.bench.optimize import TECHNIQUES, Candidate, Optimizer, Target, write_outputs
+from brisk.cli import build_parser, main
 from brisk.config import ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig
 from tests.conftest import build_tiny_checkpoint
 from tests.server.conftest import serve_tiny
@@ -70,6 +73,77 @@ def test_optimize_picks_a_configuration_meeting_the_targets_then_reuses_its_meas
     assert reused >= names, again.stdout
     assert "**No configuration measured meets the targets.**" in (out / "report.md").read_text()
     assert "does NOT meet" in (out / "best.yaml").read_text()
+
+
+class Scripted(Optimizer):
+    """The optimizer's search and report over scripted figures instead of real servers: each
+    technique multiplies plain's throughput and adds to its perplexity as SCRIPT says."""
+
+    SCRIPT = {"int8": (1.3, 0.2), "chunk-512": (1.1, 0.0), "int4": (1.5, 5.0), "ngram": (0.9, 0.0)}
+
+    def __init__(self, *args, seconds_per_load: float = 0.0, **kwargs):
+        super().__init__(*args, log=lambda line: None, **kwargs)
+        self.seconds_per_load = seconds_per_load
+
+    def _factor(self, candidate: Candidate) -> tuple[float, float]:
+        speed, drop = 1.0, 0.0
+        for name in candidate.techniques:
+            speed *= self.SCRIPT[name][0]
+            drop += self.SCRIPT[name][1]
+        return speed, drop
+
+    def _perplexity(self, config: EngineConfig) -> float:
+        techniques = tuple(t for t in ("int8", "int4") if config.quantization == t)
+        return 10.0 * (1 + self._factor(Candidate(techniques))[1] / 100)
+
+    def _load(self, candidate: Candidate) -> LoadReport:
+        time.sleep(self.seconds_per_load)
+        speed = self._factor(candidate)[0]
+        records = [RequestRecord(sent=0.0, prompt_tokens=10, output_tokens=11, ttft=0.1, e2e=0.1 + 1.0 / speed,
+                                 itls=[0.1 / speed] * 10) for _ in range(4)]
+        return LoadReport.of(records, 1.0 / speed, Goodput(), label=candidate.name, base_url="scripted", model="m",
+                             endpoint="chat", request_rate=math.inf, max_concurrency=None)
+
+
+def _scripted(tmp_path, budget_minutes: float, seconds_per_load: float = 0.0) -> Scripted:
+    args = build_parser().parse_args([
+        "optimize", "--target", "tpot_p50_ms=100", "--max-quality-drop", "1", "--budget-minutes", str(budget_minutes),
+        "--out", str(tmp_path), "--no-progress", "--dataset", "jsonl", "--dataset-path", "unused"])
+    skip = tuple(t.name for t in TECHNIQUES if t.name not in Scripted.SCRIPT)
+    return Scripted(EngineConfig(), [LoadRequest("q", 11)] * 4, args, [Target.parse("tpot_p50_ms=100")], tmp_path,
+                    skip, seconds_per_load=seconds_per_load)
+
+
+def test_the_search_stacks_what_helps_within_the_quality_budget(tmp_path):
+    opt = _scripted(tmp_path, budget_minutes=5)
+    chosen = opt.run()
+    # int8 (x1.3) and 512-token steps (x1.1) stack; int4 (x1.5) costs 5% perplexity, over the 1%
+    # budget; ngram slows down
+    assert chosen == Candidate(("int8", "chunk-512"))
+    stacked = {c for c in opt.measured if len(c.techniques) > 1}
+    assert stacked == {Candidate(("int8", "chunk-512")), Candidate(("int8", "chunk-512", "ngram"))}  # ngram: dropped
+    assert opt.noise == 0.0  # plain measured twice, the same figures
+    write_outputs(opt, chosen, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "**Chosen: int8 + chunk-512**" in report
+    assert "| int4 | int4 weights, groups of 32 |" in report and "(+5.00%) |" in report
+    # alone, int4 misses the quality budget and ngram (TPOT 111 ms) the target
+    assert "| int4 | 100.0 / 100.0 | 66.7 / 66.7 |" in report and "| ngram | 100.0 / 100.0 | 111.1 / 111.1 |" in report
+    assert report.count("| no |") == 2
+    values = read_config_file(str(tmp_path / "best.yaml"), SERVE_CONFIGS)
+    assert (values["quantization"], values["max_num_batched_tokens"]) == ("int8", 512)
+
+
+def test_a_spent_budget_is_reported_not_hidden(tmp_path):
+    opt = _scripted(tmp_path, budget_minutes=0.3 / 60, seconds_per_load=0.2)  # room for one measurement
+    assert opt.run() == Candidate(())
+    assert set(opt.measured) == {Candidate(())}
+    assert {name: why for name, why in opt.skipped.items() if name in Scripted.SCRIPT} == {
+        name: "the time budget ran out" for name in Scripted.SCRIPT}
+    write_outputs(opt, Candidate(()), tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "| int8 | int8 weights, float activations | not run: the time budget ran out" in report
+    assert "Run-to-run noise: not measured" in report
 
 
 def test_targets_and_candidates_parse_as_documented():
