@@ -38,7 +38,7 @@ from typing import Iterator
 import httpx
 
 from brisk.bench.harness import brisk_serve, free_port, machine
-from brisk.engine.stats import percentile
+from brisk.engine.stats import percentiles
 from brisk.cache.response_cache import ResponseCache
 from brisk.cache.store import open_store
 from brisk.config import ServerConfig
@@ -217,4 +217,5 @@ def main(args) -> None:
 def _ms(seconds: list[float]) -> str:
     if not seconds:
         return "-"
-    return f"{percentile(seconds, 0.5) * 1000:.1f} / {percentile(seconds, 0.99) * 1000:.1f} (n={len(seconds)})"
+    p50, p99 = percentiles(seconds, (0.5, 0.99))
+    return f"{p50 * 1000:.1f} / {p99 * 1000:.1f} (n={len(seconds)})"

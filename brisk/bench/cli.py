@@ -149,8 +149,6 @@ def add_bench_parser(sub) -> None:
     sv.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     sv.add_argument("--model-name", default=None, help="model id to request; default: the server's first")
     sv.add_argument("--api-key", default=None)
-    sv.add_argument("--request-rate", type=_rate, default=math.inf,
-                    help="requests/s, Poisson arrivals; inf (default): all at once")
     sv.add_argument("--sweep-rates", type=_rate, nargs="+", default=None, metavar="RATE",
                     help="run the workload once per rate and plot latency against load (--plot)")
     sv.add_argument("--plot", default="serve_sweep.png", help="where --sweep-rates draws its PNG")
@@ -186,8 +184,6 @@ def add_bench_parser(sub) -> None:
 def _add_compare_parser(kinds) -> None:
     cp = kinds.add_parser("compare", help="one workload against brisk serve, llama.cpp's server (the llama extra), "
                                           "brisk offline and transformers generate; prints ratios")
-    cp.add_argument("--request-rate", type=_rate, default=math.inf,
-                    help="requests/s to the servers, Poisson arrivals; inf (default): all at once")
     cp.add_argument("--hf-single-prompts", type=int, default=4,
                     help="requests transformers runs one at a time (the first ones: it is slow)")
     cp.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
@@ -220,6 +216,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="model whose tokenizer sizes random prompts; default: --model")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--request-rate", type=_rate, default=math.inf,
+                        help="requests/s to the server, Poisson arrivals; inf (default): all at once (within "
+                             "--max-concurrency)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the arrivals and of random prompts")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
@@ -255,8 +254,6 @@ def add_optimize_parser(sub) -> None:
                     help=f"techniques not to try: {', '.join(t.name for t in TECHNIQUES)}")
     op.add_argument("--out", default="optimize", help="folder for report.md, the plots, best.yaml and the "
                                                       "measurements a later run reuses")
-    op.add_argument("--request-rate", type=_rate, default=math.inf,
-                    help="requests/s, Poisson arrivals; inf (default): all at once, within --max-concurrency")
     op.add_argument("--text", default=None, help="text of the perplexity; default: Pride and Prejudice")
     op.add_argument("--perplexity-tokens", type=int, default=4096)
     op.add_argument("--perplexity-context-len", type=int, default=1024)

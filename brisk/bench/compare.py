@@ -30,6 +30,7 @@ from brisk.bench.harness import brisk_serve, free_port, machine, server_process
 from brisk.bench.hf_baseline import hf_generate, load_hf_model
 from brisk.bench.load import LoadReport, LoadRequest
 from brisk.bench.serve import load_settings, measure, workload
+from brisk.bench.throughput import run_hf
 from brisk.config import EngineConfig, ServerConfig
 from brisk.llm import LLM
 from brisk.model.loader import default_model_path, open_checkpoint
@@ -83,18 +84,13 @@ def offline_brisk(config: EngineConfig, requests: list[LoadRequest], max_tokens:
 
 def transformers_rows(config: EngineConfig, prompts: list[list[int]], max_tokens: int, single: int,
                       batch_size: int, pad: int) -> list[Row]:
+    """`bench throughput`'s transformers runs on these prompts: the first `single` one at a
+    time, then all in static batches."""
     model = load_hf_model(config.model, config.torch_dtype)
     hf_generate(model, [prompts[0][:8]], 2, pad)  # warm-up
-    rows = []
-    for count, size, how in ((single, 1, "generate, one at a time"),
-                             (len(prompts), batch_size, f"generate, static batches of {batch_size}")):
-        tokens, seconds = 0, 0.0
-        for i in range(0, count, size):
-            outs, elapsed = hf_generate(model, prompts[i:min(i + size, count)], max_tokens, pad)
-            tokens += sum(len(o) for o in outs)
-            seconds += elapsed
-        rows.append(Row("transformers", how, count, tokens, seconds))
-    return rows
+    runs = [run_hf(model, prompts[:single], max_tokens, 1, pad), run_hf(model, prompts, max_tokens, batch_size, pad)]
+    return [Row("transformers", "generate, " + r.name.removeprefix("transformers, "), r.requests, r.output_tokens,
+                r.seconds) for r in runs]
 
 
 def main(args) -> None:

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.bench.perplexity import DEFAULT_TEXT
 from brisk.bench.harness import brisk_serve, free_port, machine
-from brisk.engine.stats import percentile
+from brisk.engine.stats import percentiles
 from brisk.bench.workloads import sentences
 from brisk.config import EmbeddingConfig, ServerConfig
 from brisk.embed.batcher import BatchRecord
@@ -174,9 +174,9 @@ def main(args) -> None:
     for run in runs:
         base = baseline.setdefault(run.where, run.requests_per_second)
         padding = 1 - run.tokens / run.padded_tokens if run.padded_tokens else 0.0
+        p50, p99 = percentiles(run.latencies, (0.5, 0.99))
         print(f"| {run.where} | {run.name} | {len(run.latencies)} | {run.seconds:.2f} | {run.requests_per_second:.1f} "
-              f"| {run.requests_per_second / base:.2f}x | {percentile(run.latencies, 0.5) * 1000:.1f} "
-              f"| {percentile(run.latencies, 0.99) * 1000:.1f} | {run.batches} "
+              f"| {run.requests_per_second / base:.2f}x | {p50 * 1000:.1f} | {p99 * 1000:.1f} | {run.batches} "
               f"| {len(run.latencies) / max(1, run.batches):.1f} | {padding:.1%} "
               f"| {', '.join(f'{v:.1f}' for v in run.every_round)} |")
     if agreement:

@@ -83,16 +83,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_name() -> str:
-    return _cpuinfo().get("model name", "unknown")
-
-
 def machine() -> str:
     """The machine a benchmark ran on, as BENCHMARKS.md states it: CPU model, cores, the vector
     flags that pick kernels, and torch's view of them."""
-    flags = set(_cpuinfo().get("flags", "").split())
+    cpu = _cpuinfo()
+    flags = set(cpu.get("flags", "").split())
     present = " ".join(f for f in _FLAGS if f in flags) or "none of " + " ".join(_FLAGS)
-    return (f"CPU: {cpu_name()}, {os.cpu_count()} cores; flags: {present}; "
+    return (f"CPU: {cpu.get('model name', 'unknown')}, {os.cpu_count()} cores; flags: {present}; "
             f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}")
 
 

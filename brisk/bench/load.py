@@ -32,7 +32,7 @@ from typing import Iterable
 import aiohttp
 from tqdm import tqdm
 
-from brisk.engine.stats import percentile
+from brisk.engine.stats import percentiles
 from brisk.bench.workloads import mt_bench_first_turns
 from brisk.config import ConfigError
 from brisk.model.tokenizer import Message, Tokenizer
@@ -197,7 +197,7 @@ class Summary:
     def of(cls, values: list[float]) -> "Summary | None":
         if not values:
             return None
-        return cls(sum(values) / len(values), *(percentile(values, q) for q in (0.5, 0.9, 0.95, 0.99)))
+        return cls(sum(values) / len(values), *percentiles(values, (0.5, 0.9, 0.95, 0.99)))
 
 
 @dataclass

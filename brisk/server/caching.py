@@ -31,6 +31,7 @@ from brisk.cache.response_cache import Hit, ResponseCache
 from brisk.config import ResponseCacheConfig
 from brisk.embed.embedder import Embedder
 from brisk.engine.output import RequestOutput
+from brisk.engine.stats import percentiles
 from brisk.server.middleware import DEFAULT_TENANT, Caller
 from brisk.server.protocol import SamplingFields
 
@@ -197,8 +198,8 @@ class ResponseCaching:
 def _percentiles(seconds) -> dict[str, float | None]:
     if not seconds:
         return {"p50": None, "p99": None, "count": 0}
-    p50, p99 = np.percentile(np.fromiter(seconds, dtype=float), [50, 99]) * 1000
-    return {"p50": round(float(p50), 3), "p99": round(float(p99), 3), "count": len(seconds)}
+    p50, p99 = percentiles(seconds, (0.5, 0.99))
+    return {"p50": round(p50 * 1000, 3), "p99": round(p99 * 1000, 3), "count": len(seconds)}
 
 
 def deterministic(body: SamplingFields) -> bool:

@@ -19,9 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-import numpy as np
-
-from brisk.engine.stats import EngineSnapshot, IterationStats
+from brisk.engine.stats import EngineSnapshot, IterationStats, percentiles
 
 WINDOW = 60  # whole seconds in a snapshot
 LATENCY_WINDOW = 10  # seconds of samples behind each point of a latency series (fewer at the window's start)
@@ -105,7 +103,7 @@ class LiveStats:
             series["prefix_cache_hit_rate"].append(
                 bucket.prefix_hits / bucket.prefix_queries if bucket.prefix_queries else None)
             for name in ("ttft", "itl"):
-                p50, p99 = _percentiles([v for b in recent for v in getattr(b, name + "s")], (50, 99))
+                p50, p99 = _ms([v for b in recent for v in getattr(b, name + "s")], (0.5, 0.99))
                 series[f"{name}_p50_ms"].append(p50)
                 series[f"{name}_p99_ms"].append(p99)
         window = [b for s, b in by_second.items() if first <= s < now]
@@ -124,13 +122,13 @@ class LiveStats:
         return snap
 
 
-def _percentiles(seconds: list[float], qs: tuple[int, ...]) -> list[float | None]:
-    """The qs-th percentiles in ms (linear interpolation, as brisk's other figures), one sort."""
+def _ms(seconds: list[float], qs: tuple[float, ...]) -> list[float | None]:
+    """The qs-quantiles of `seconds` in ms; None each where there are none."""
     if not seconds:
         return [None] * len(qs)
-    return [float(v) * 1000 for v in np.percentile(np.asarray(seconds), qs)]
+    return [v * 1000 for v in percentiles(seconds, qs)]
 
 
 def _summary(seconds: list[float]) -> dict:
-    p50, p90, p99 = _percentiles(seconds, (50, 90, 99))
+    p50, p90, p99 = _ms(seconds, (0.5, 0.9, 0.99))
     return {"count": len(seconds), "p50": p50, "p90": p90, "p99": p99}
