@@ -142,18 +142,24 @@ class EngineConfig:
         None, "Longest prompt + completion in tokens; default: the model's context length."
     )
     block_size: int = knob(16, "Tokens per KV cache block.")
-    kv_cache_memory_gib: float = knob(1.0, "Memory budget of the KV cache in GiB.")
+    kv_cache_memory_gib: float | None = knob(
+        None, "Memory budget of the KV cache in GiB; default: 1 on CPU, on a GPU what gpu_memory_utilization leaves.")
+    gpu_memory_utilization: float = knob(
+        0.9, "On a GPU: the share of its memory brisk may take (weights, activations, KV cache); the KV cache gets "
+             "what the loaded weights and a step's activations leave of it.")
     kv_cache_dtype: str = knob(
         "auto", "How K and V are stored: auto (the model's dtype), float32, bfloat16, float16, or int8 (a scale per "
                 "token and head: 3.8x fewer bytes than float32 for a head dim of 64, so 3.8x more tokens fit).")
     num_kv_blocks: int | None = knob(
         None, "Exact number of KV blocks, overriding kv_cache_memory_gib (for tests and tuning)."
     )
-    max_num_seqs: int = knob(64, "Most sequences in one batch.")
+    max_num_seqs: int | None = knob(None, "Most sequences in one batch; default: 64 on CPU, 256 on a GPU.")
     # 256 on CPU keeps a step near 0.6 s (a short request waits at most about two steps for its
     # first token behind a long prompt); offline throughput runs favour larger steps (bench: 1024).
-    max_num_batched_tokens: int = knob(
-        256, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in).")
+    # A GPU computes 2048 tokens of this model in milliseconds.
+    max_num_batched_tokens: int | None = knob(
+        None, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in); "
+              "default: 256 on CPU, 2048 on a GPU.")
     attention_cost_context: int = knob(  # fitted with `brisk bench fairness --calibrate` (docs/benchmark-notes.md)
         1500, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
@@ -162,6 +168,11 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = knob(
         None, 'Speculative decoding as JSON, in vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup); default: off.')
+    num_scheduler_steps: int | None = knob(
+        None, "Forward passes a step of plain greedy decodes runs before the host schedules again, each fed the "
+              "last one's tokens on the device (multi-step scheduling); default: 8 on a GPU, 1 on CPU.")
+    enforce_eager: bool = knob(
+        False, "On a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs.")
     seed: int = knob(0, "Seed of the generator that gives each request without a seed its own.")
     num_threads: int | None = knob(None, "CPU threads for torch; default: all cores.")
 
@@ -178,7 +189,17 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization_group_size not in GROUP_SIZES:
             raise ConfigError(f"quantization_group_size must be one of {GROUP_SIZES}, got {self.quantization_group_size}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        try:
+            on_gpu = self.torch_device.type != "cpu"
+        except RuntimeError as exc:
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from exc
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256 if on_gpu else 64
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if on_gpu else 256
+        if self.num_scheduler_steps is None:
+            self.num_scheduler_steps = 8 if on_gpu else 1
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_cost_context < 0:
@@ -187,8 +208,10 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.model is not None and not os.path.exists(self.model):
             raise ConfigError(f"model path does not exist: {self.model!r}")
 

@@ -32,7 +32,7 @@ def brisk_logits(engine, token_ids: list[int], chunk_sizes: list[int] | None = N
 @torch.inference_mode()
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position, in the model's own precision (fp32 stays fp32, fp64 stays fp64)."""
-    return hf_model(torch.tensor([token_ids])).logits[0]
+    return hf_model(torch.tensor([token_ids], device=hf_model.device)).logits[0]
 
 
 def metric_values(text: str) -> dict[str, float]:

@@ -125,6 +125,20 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(st)
     st.set_defaults(func=_main_of("brisk.bench.step"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    gp = kinds.add_parser("gpu", help="on a GPU: decode against the bandwidth floor, batched throughput and "
+                                      "prefill, CUDA graphs vs eager, beside transformers on the same GPU")
+    gp.add_argument("--output-len", type=int, default=256)
+    gp.add_argument("--prompt-len", type=int, default=128)
+    gp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
+    gp.add_argument("--prefill-prompts", type=int, default=64)
+    gp.add_argument("--prefill-len", type=int, default=512)
+    gp.add_argument("--hf-prefill-batch", type=int, default=16)
+    gp.add_argument("--output-json", default=None)
+    add_engine_arguments(gp)
+    # Half the GPU: the eager engine and transformers share it.
+    gp.set_defaults(func=_main_of("brisk.bench.gpu"), max_num_seqs=256, gpu_memory_utilization=0.5,
+                    max_num_batched_tokens=8192)
+
     qb = kinds.add_parser("quant", help="weight formats and KV cache kinds side by side, and llama.cpp")
     qb.add_argument("--configs", nargs="+", default=None,
                     help="configurations to run, in order, the first the baseline (names: brisk/bench/quant.py's "

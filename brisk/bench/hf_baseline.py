@@ -38,8 +38,11 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p):] = torch.tensor(p)
         attention_mask[i, width - len(p):] = 1
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     start = time.perf_counter()
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                          max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=pad_token_id)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
     elapsed = time.perf_counter() - start
     return [row[width:].tolist() for row in out], elapsed

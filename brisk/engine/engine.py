@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from brisk.config import ConfigError, EngineConfig
+from brisk.engine.cuda_graphs import capture_sizes
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.quant.kv_cache import kv_bytes_per_token
 from brisk.engine.output import OutputProcessor, RequestOutput
@@ -27,6 +28,7 @@ from brisk.sampling_params import SamplingError, SamplingParams
 from brisk.spec.speculator import Speculator
 
 Prompt = str | list[int] | dict
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
 class LLMEngine:
@@ -39,13 +41,16 @@ class LLMEngine:
         self.spec = self.checkpoint.spec
         self.tokenizer = self.checkpoint.tokenizer
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
-        num_blocks = self._num_kv_blocks()
         self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len, config.quantization,
                                 config.quantization_group_size, config.int8_activations)
+        num_blocks = self._num_kv_blocks()  # after loading: on a GPU the cache gets what the weights leave
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context)
         self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
+        self.runner.decode_steps = config.num_scheduler_steps
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_graphs(capture_sizes(config.max_num_seqs), self.max_model_len)
         self.speculator = (Speculator.build(config, self.checkpoint, self.runner, self.max_model_len, num_blocks)
                            if config.speculative_config is not None else None)
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
@@ -61,13 +66,36 @@ class LLMEngine:
         else:
             s = self.spec
             bytes_per_token = kv_bytes_per_token(c.kv_cache_kind, s.num_layers, s.num_kv_heads, s.head_dim)
-            bytes_per_block = bytes_per_token * c.block_size
-            num_blocks = int(c.kv_cache_memory_gib * 2**30 // bytes_per_block)
+            # less one: the pool's scratch block (engine/runner.py) comes out of the same budget
+            num_blocks = int(self._kv_cache_bytes() // (bytes_per_token * c.block_size)) - 1
         if num_blocks * c.block_size < self.max_model_len:
             raise ConfigError(
-                f"the KV cache holds {num_blocks * c.block_size} tokens, fewer than max_model_len="
-                f"{self.max_model_len}: raise kv_cache_memory_gib / num_kv_blocks or lower max_model_len")
+                f"the KV cache holds {max(num_blocks, 0) * c.block_size} tokens, fewer than max_model_len="
+                f"{self.max_model_len}: raise kv_cache_memory_gib / gpu_memory_utilization / num_kv_blocks or lower "
+                f"max_model_len")
         return num_blocks
+
+    def _kv_cache_bytes(self) -> float:
+        """kv_cache_memory_gib; by default 1 GiB on CPU, and on a GPU its gpu_memory_utilization
+        share less what is already taken (the weights just loaded, the CUDA context, other
+        processes) and what a step's activations and the CUDA graphs will take."""
+        c = self.config
+        if c.kv_cache_memory_gib is not None:
+            return c.kv_cache_memory_gib * 2**30
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_GIB * 2**30
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total * c.gpu_memory_utilization - (total - free) - self._activation_bytes()
+
+    def _activation_bytes(self) -> int:
+        """A bound on a step's transient memory: the widest step's layer activations in float32
+        (the fused q/k/v, the MLP's gate and up, a few of the hidden size), the logits of every
+        sampled row with the sampler's copies of them, and a fixed allowance for cuBLAS'
+        workspaces, Triton and the graphs' pool."""
+        s, c = self.spec, self.config
+        per_token = 6 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 3 * s.intermediate_size
+        logits = 4 * c.max_num_seqs * s.vocab_size
+        return 4 * c.max_num_batched_tokens * per_token + logits + 2**30
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> str:

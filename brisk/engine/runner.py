@@ -31,12 +31,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from brisk.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from brisk.engine.kv_cache import KVCacheManager
+from brisk.kernels.gpu import to_device, to_device_many
 from brisk.quant.kv_cache import KVCacheLayer
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
+from brisk.sample.penalties import uses_penalties
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 from brisk.spec.verify import accepted_path, branch, tree_depths
@@ -81,14 +84,28 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.vocab_size = spec.vocab_size
         # One per layer, in the storage kind of quant/kv_cache.py; see model/attention.py for the layout.
-        self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks, spec.num_kv_heads, kv.block_size,
+        # The pool has one block more than the manager hands out: the padding rows of a CUDA graph
+        # write there (engine/cuda_graphs.py).
+        self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks + 1, spec.num_kv_heads, kv.block_size,
                                                 spec.head_dim, device) for _ in range(spec.num_layers)]
         self.keep_hidden_states = False
+        self.graphs: DecodeGraphs | None = None
+        self.decode_steps = 1  # most forward passes a step of plain greedy decodes may run (see _decode_steps)
+
+    @torch.inference_mode()
+    def capture_graphs(self, sizes: list[int], max_model_len: int, capture: GraphCapture | None = None) -> None:
+        """Records the decode forward for these batch sizes (CUDA graphs unless `capture` says
+        otherwise); later plain decode steps of up to max(sizes) sequences replay them."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, sizes, -(-max_model_len // self.block_size),
+                                   scratch_block=self.kv.num_blocks, capture=capture or CudaGraphCapture(self.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        steps = self._decode_steps(sched)
         batch = self._prepare(sched)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if steps > 1:
+            return self._execute_decode_steps(batch, steps)
+        hidden = self._forward(batch.input_ids, batch.positions, batch.attn)
         out = RunnerOutput()
         if batch.sample_chunks:
             self._sample(hidden[batch.sample_rows], batch.sample_chunks, out)
@@ -97,6 +114,52 @@ class ModelRunner:
             out.prompt_logprobs[rows.request.request_id] = (rows.first_position, prompt_logprobs(
                 logits, rows.targets, rows.request.params.prompt_logprobs))
         return out
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.serves(attn):
+            return self.graphs.run(input_ids, positions, attn)
+        return self.model(input_ids, positions, self.kv_caches, attn)
+
+    def _decode_steps(self, sched: SchedulerOutput) -> int:
+        """How many forward passes this step runs: up to decode_steps when every chunk is one
+        plain greedy decode whose next tokens depend on nothing but the argmax (no logprobs,
+        penalties, biases, grammar, pending min_tokens or stop strings), fewer when a sequence
+        may gain fewer tokens, and 1 when the pool cannot give every sequence room for them.
+
+        Several passes per step keep the GPU busy while the host would otherwise schedule, build
+        inputs and process outputs between every two of them (vLLM's multi-step scheduling): each
+        pass takes the previous one's tokens on the device, and the host reads them all once.
+        """
+        steps = self.decode_steps
+        if steps == 1 or self.keep_hidden_states or not sched.chunks:
+            return 1
+        for chunk in sched.chunks:
+            r, p = chunk.request, chunk.request.params
+            if (chunk.num_new_tokens != 1 or chunk.draft_token_ids or not chunk.completes_sequence or not p.greedy
+                    or p.logprobs is not None or p.prompt_logprobs is not None or r.grammar is not None
+                    or uses_penalties(p) or p.logit_bias or p.stop_strings or r.num_output_tokens < p.min_tokens):
+                return 1
+            steps = min(steps, r.max_total_tokens - r.num_tokens)
+        if steps > 1 and all(self.kv.allocate(c.request, steps) for c in sched.chunks):
+            return steps
+        return 1
+
+    def _execute_decode_steps(self, batch: _Batch, steps: int) -> RunnerOutput:
+        """`steps` greedy decode passes, each fed the tokens the one before chose, on the device."""
+        attn, input_ids, positions = batch.attn, batch.input_ids, batch.positions
+        tokens = []
+        for step in range(steps):
+            input_ids = self.model.compute_logits(self._forward(input_ids, positions, attn)).argmax(dim=-1)
+            tokens.append(input_ids)
+            if step + 1 < steps:
+                positions = positions + 1
+                tables = attn.decode_block_tables
+                attn = AttentionMetadata(
+                    slot_blocks=tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1),
+                    slot_offsets=positions % self.block_size, num_decodes=attn.num_decodes,
+                    decode_block_tables=tables, decode_context_lens=attn.decode_context_lens + 1)
+        rows = torch.stack(tokens, dim=1).tolist()
+        return RunnerOutput(sampled={c.request.request_id: row for c, row in zip(batch.sample_chunks, rows)})
 
     def _sample(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], out: RunnerOutput) -> None:
         logits = self.model.compute_logits(hidden)
@@ -154,22 +217,16 @@ class ModelRunner:
             else:  # a tree: each draft at the position of its depth
                 last = start + num_known - 1
                 positions.extend([*range(start, last + 1), *(last + d for d in tree_depths(chunk.draft_parents))])
-        attn = AttentionMetadata(
-            slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
-            slot_offsets=(torch.tensor(slots, dtype=torch.long) % self.block_size).to(self.device),
-            num_decodes=sum(c.num_new_tokens for c in decodes),
-        )
-        if decodes:
-            attn.decode_block_tables, attn.decode_context_lens = self._decode_tables(decodes, tables)
-            if any(c.draft_parents is not None for c in decodes):
-                attn.decode_ancestor_masks = torch.tensor([m for c in decodes for m in _ancestor_masks(c)],
-                                                          dtype=torch.long, device=self.device)
-        sample_rows, sample_chunks, prompt_rows = [], [], []
+        num_decodes = sum(c.num_new_tokens for c in decodes)
+        tree = any(c.draft_parents is not None for c in decodes)
+        table_rows, context_lens = self._decode_tables(decodes, tables) if decodes else ([], [])
+        masks = [m for c in decodes for m in _ancestor_masks(c)] if tree else []
+        sample_rows, sample_chunks, prompt_rows, prefill_chunks = [], [], [], []
         row = 0
         for chunk in decodes + prefills:
             r, n = chunk.request, chunk.num_new_tokens
             if not _as_decode_rows(chunk):
-                attn.prefills.append(self._prefill_span(chunk, row, tables[r.request_id]))
+                prefill_chunks.append((chunk, row))
             if chunk.completes_sequence:
                 first = row + n - 1 - len(chunk.draft_token_ids)
                 sample_rows.extend(range(first, row + n))
@@ -177,17 +234,20 @@ class ModelRunner:
             if r.params.prompt_logprobs is not None:
                 prompt_rows.extend(self._prompt_logprob_rows(chunk, row))
             row += n
-        return _Batch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            attn=attn,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-            sample_chunks=sample_chunks,
-            prompt_logprob_rows=prompt_rows,
-        )
+        (input_ids, positions, slot_blocks, slot_offsets, sample_rows, flat_tables, context_lens,
+         masks) = to_device_many([ids, positions, blocks, [s % self.block_size for s in slots], sample_rows,
+                                  [b for t in table_rows for b in t], context_lens, masks], self.device)
+        attn = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets, num_decodes=num_decodes)
+        if decodes:
+            attn.decode_block_tables = flat_tables.view(num_decodes, -1)
+            attn.decode_context_lens = context_lens
+            attn.decode_ancestor_masks = masks if tree else None
+        attn.prefills = [self._prefill_span(chunk, row, tables[chunk.request.request_id]) for chunk, row in prefill_chunks]
+        return _Batch(input_ids=input_ids, positions=positions, attn=attn, sample_rows=sample_rows,
+                      sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows)
 
     def _decode_tables(self, decodes: list[ScheduledChunk],
-                       block_ids: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_ids: dict[str, list[int]]) -> tuple[list[list[int]], list[int]]:
         """A block table and a context length per decode row, tables padded to the longest
         (padding is never read: context_lens bound it). A verify pass's rows share the table."""
         width = max(len(block_ids[c.request.request_id]) for c in decodes)
@@ -197,14 +257,13 @@ class ModelRunner:
             tables.extend([table + [0] * (width - len(table))] * c.num_new_tokens)
             start = c.request.num_computed_tokens
             context_lens.extend(range(start + 1, start + 1 + c.num_new_tokens))
-        return (torch.tensor(tables, dtype=torch.long, device=self.device),
-                torch.tensor(context_lens, dtype=torch.long, device=self.device))
+        return tables, context_lens
 
     def _prefill_span(self, chunk: ScheduledChunk, row: int, block_ids: list[int]) -> PrefillSpan:
         start, n = chunk.request.num_computed_tokens, chunk.num_new_tokens
         context_len = start + n
         num_blocks = -(-context_len // self.block_size)
-        table = torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=self.device)
+        table = to_device(block_ids[:num_blocks], torch.long, self.device)
         return PrefillSpan(row, row + n, context_len, table)
 
     @staticmethod

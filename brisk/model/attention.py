@@ -1,8 +1,10 @@
 """Paged attention over a pool of fixed-size KV blocks.
 
 On CPU it runs in the C kernels of brisk/kernels (fp32 and bf16 queries, a cache in any of
-quant/kv_cache.py's kinds); elsewhere (GPUs, or with no C compiler) in the torch formulation
-below, which is also their reference in the tests.
+quant/kv_cache.py's kinds), on GPUs in the Triton kernels (kernels/triton_attention.py: the
+same kinds, every prefill chunk of a step in one launch); elsewhere (no C compiler, no Triton,
+shapes the kernels do not take) in the torch formulation below, which is also their reference
+in the tests.
 
 Cache layout, per layer (a KVCacheLayer; int8 adds a scale per token and head)::
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels import gpu as gpu_kernels
 from brisk.quant.kv_cache import KVCacheLayer
 
 
@@ -57,6 +60,26 @@ class PrefillSpan:
 
 
 @dataclass
+class PrefillBatch:
+    """A step's prefill spans as tensors: where each chunk's queries start in the flat batch,
+    how many there are, its context length after the step, and its block table (padded)."""
+
+    starts: torch.Tensor  # [S] int64
+    lengths: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int64, padded with block 0 (never read)
+    max_length: int
+
+    @classmethod
+    def of(cls, spans: list[PrefillSpan], device: torch.device) -> PrefillBatch:
+        lengths = [s.end - s.start for s in spans]
+        columns = torch.tensor([[s.start for s in spans], lengths, [s.context_len for s in spans]], dtype=torch.long)
+        tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in spans], batch_first=True)
+        starts, lengths_, context_lens = gpu_kernels.to_device(columns, torch.long, device).unbind(0)  # contiguous rows
+        return cls(starts, lengths_, context_lens, tables, max(lengths))
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step by the model runner, read by every layer."""
 
@@ -70,6 +93,14 @@ class AttentionMetadata:
     decode_ancestor_masks: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     _decode_padding: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _prefill_batch: PrefillBatch | None = field(default=None, repr=False, compare=False)
+
+    def prefill_batch(self) -> PrefillBatch:
+        """Every prefill span as the one-launch Triton kernel reads them; built on first use and
+        shared by every layer of the step."""
+        if self._prefill_batch is None:
+            self._prefill_batch = PrefillBatch.of(self.prefills, self.slot_blocks.device)
+        return self._prefill_batch
 
     def decode_padding(self, block_size: int) -> torch.Tensor:
         """[num_decodes, max_blocks * block_size] True where a decode row does not look: past its
@@ -97,6 +128,11 @@ def paged_attention(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadat
     nd = meta.num_decodes
     if nd:
         _decode_attention(q[:nd], cache, meta, scale, out[:nd])
+    if meta.prefills and gpu_kernels.attention_available(q, cache):
+        batch = meta.prefill_batch()
+        gpu_kernels.prefill_attention(q, cache, batch.starts, batch.lengths, batch.context_lens, batch.block_tables,
+                                      batch.max_length, scale, out)
+        return out
     for span in meta.prefills:
         _prefill_attention(q[span.start:span.end], cache, span, scale, out[span.start:span.end])
     return out
@@ -106,6 +142,9 @@ def _decode_attention(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetad
                       out: torch.Tensor) -> None:
     if cpu_kernels.available(q, cache):
         cpu_kernels.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out,
+                                     meta.decode_ancestor_masks)
+    elif gpu_kernels.attention_available(q, cache):
+        gpu_kernels.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out,
                                      meta.decode_ancestor_masks)
     else:
         out.copy_(_decode_attention_torch(q, cache, meta, scale))

@@ -4,7 +4,8 @@ Differences from transformers' modules, all for speed: q/k/v and gate/up are fus
 matmul each, RoPE tables are shared by every layer, attention reads K/V through block tables
 (see attention.py), and on CPU the work between the matmuls runs in fused C kernels: residual
 add + RMSNorm in place, RoPE + the K/V cache write, SiLU-and-multiply (kernels/layer_ops.h,
-kernels/attention.h; the torch code beside each call is their reference). Decode steps of up to
+kernels/attention.h; the torch code beside each call is their reference), and on GPUs in their
+Triton counterparts (kernels/triton_layer_ops.py). Decode steps of up to
 8 sequences run every layer in one C call (kernels/decode_layers.c). Weights keep
 Hugging Face names on the way in, so any HF checkpoint or a GGUF file renamed to HF names loads
 through `load_weights`.
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels import gpu as gpu_kernels
 from brisk.model.attention import AttentionMetadata, paged_attention, write_kv
 from brisk.model.linear import Linear, linear
 from brisk.model.rope import Rope, RotaryEmbedding
@@ -44,6 +46,11 @@ class RMSNorm(nn.Module):
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
+        if gpu_kernels.available(x, self.weight):
+            if residual is None:
+                return gpu_kernels.rms_norm(x, self.weight, self.eps)
+            gpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = residual + x
@@ -54,6 +61,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
     if cpu_kernels.layer_ops_available(gate_up):
         return cpu_kernels.silu_mul(gate_up)
+    if gpu_kernels.available(gate_up):
+        return gpu_kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -78,10 +87,12 @@ class Attention(nn.Module):
     def _rotate_and_cache(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer,
                           meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, q + 2 kv] -> rotated q [T, H, D]; this step's rotated K and V go into the cache."""
+        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if cpu_kernels.available(qkv, kv_cache):
-            norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
-                                                                   self.q_norm.eps)
             return cpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, kv_cache,
+                                             meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms)
+        if gpu_kernels.attention_available(qkv, kv_cache):
+            return gpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, kv_cache,
                                              meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels.gpu import to_device
 from brisk.sample.grammar import Grammar, apply_bitmask, fill_bitmask
 from brisk.sample.logprobs import RankedLogprobs, rank_targets
 from brisk.sample.penalties import Penalties, uses_penalties
@@ -94,7 +95,7 @@ class SamplingBatch:
         params = [r.params for r in rows]
 
         def column(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         penalized = [i for i, p in enumerate(params) if uses_penalties(p)]
         all_greedy = all(p.greedy for p in params)
