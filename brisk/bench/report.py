@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
+import torch
+
 from brisk.bench.harness import machine
 from brisk.config import ConfigError
 
@@ -36,6 +38,7 @@ class Section:
     command: tuple[str, ...]  # after `brisk`
     quick: tuple[str, ...]  # added for --quick (later flags override earlier ones)
     needs: str | None = None  # a module the command needs, else the section says it was skipped
+    cuda: bool = False  # runs only where a CUDA GPU is; elsewhere the file keeps what it had
 
 
 SECTIONS = (
@@ -95,6 +98,13 @@ SECTIONS = (
     Section("batching", "Offline batching: static, sorted, continuous",
             "The 80 MT-Bench questions through one engine with each batching strategy.",
             ("bench", "batching"), ("--output-len", "32",)),
+    Section("gpu", "The GPU path: against the hardware and transformers",
+            "On a CUDA GPU, bf16: single-stream decode against the floor the measured memory bandwidth sets, "
+            "output throughput with 1, 32 and 256 sequences, and prefill, for brisk as configured (CUDA graphs, "
+            "multi-step decode), with one decode pass per step, and eager, beside transformers `generate` on the "
+            "same GPU in the same run.",
+            ("bench", "gpu", "--output-json", f"{IMAGES}/gpu.json"), ("--output-len", "64", "--prefill-prompts", "16"),
+            cuda=True),
     Section("embed", "Embeddings: dynamic batching and ONNX Runtime",
             "all-MiniLM-L6-v2: one at a time against dynamic batches, in process and over HTTP.",
             ("bench", "embed"), ("--num-requests", "256", "--rounds", "1", "--where", "process")),
@@ -118,6 +128,9 @@ def run(s: Section, quick: bool) -> str | None:
     head = [f"## {s.title}", "", s.about, "", "```bash", shown, "```", ""]
     if s.needs and importlib.util.find_spec(s.needs) is None:
         print(f"[{s.name}] skipped: it needs {s.needs} (pip install -e '.[test]')", file=sys.stderr)
+        return None
+    if s.cuda and not torch.cuda.is_available():
+        print(f"[{s.name}] skipped: it needs a CUDA GPU", file=sys.stderr)
         return None
     Path(IMAGES).mkdir(parents=True, exist_ok=True)
     print(f"[{s.name}] {shown}", file=sys.stderr, flush=True)

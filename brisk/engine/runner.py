@@ -23,6 +23,11 @@ into the slots right after the context, where plain decoding would have put it:
     drafts:   a   b   c   d         parents: last, a, last, c       (two branches: a-b, c-d)
     slots:    c+1 c+2 c+3 c+4       positions: c+1 c+2 c+1 c+2
     accepted c, d: K/V of slots c+3, c+4 -> c+1, c+2
+
+On a GPU, a step of plain decode rows replays a CUDA graph of the forward (engine/cuda_graphs.py),
+and the step's inputs cross in one pinned copy. A step whose sequences all decode greedily with
+nothing else asked of their logits may run several passes, each fed the last one's tokens on
+the device (`_decode_steps`): the host then schedules and reads tokens once per several passes.
 """
 
 from __future__ import annotations

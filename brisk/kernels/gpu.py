@@ -1,8 +1,11 @@
 """Where the Triton kernels serve, and their entry points: the GPU's counterpart of kernels/cpu.py.
 
 Triton is imported on first use, so a CPU-only install needs none. The kernels serve CUDA
-tensors, and CPU tensors under TRITON_INTERPRET=1, where Triton runs them in its interpreter:
-that is how the tests check them, and the model through them, on machines without a GPU.
+tensors. With `serve_cpu_tensors` set and TRITON_INTERPRET=1 (set before Triton loads) they
+also serve CPU tensors, run by Triton's interpreter: that is how the tests run the model
+through them on machines without a GPU. It is a switch of its own, not the environment
+variable, so a test that sets the variable does not send every other test's torch path
+through the interpreter.
 """
 
 from __future__ import annotations
@@ -24,15 +27,15 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+serve_cpu_tensors = False
 
 
 def available(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether the Triton kernels serve activations like x (and tensors like others)."""
     device = x.device.type
-    return ((device == "cuda" or device == "cpu" and _interpreted()) and x.dtype in _DTYPES
-            and not _wants_grad(x, *others) and _has_triton())
+    on_cpu = device == "cpu" and serve_cpu_tensors and os.environ.get("TRITON_INTERPRET") == "1"
+    return ((device == "cuda" or on_cpu) and x.dtype in _DTYPES and not _wants_grad(x, *others)
+            and _has_triton())
 
 
 def attention_available(x: torch.Tensor, cache_layer: KVCacheLayer) -> bool:
@@ -42,6 +45,19 @@ def attention_available(x: torch.Tensor, cache_layer: KVCacheLayer) -> bool:
     from brisk.kernels import triton_attention
 
     return triton_attention.serves(cache_layer)
+
+
+def quant_available(x: torch.Tensor, weight_format: str) -> bool:
+    """Whether the low-bit matmul kernels multiply activations like x by weights in this format."""
+    from brisk.kernels.triton_quant import FORMATS
+
+    return available(x) and weight_format in FORMATS
+
+
+def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    from brisk.kernels import triton_quant
+
+    return triton_quant.quant_linear(x, weight, bias)
 
 
 def decode_attention(*args, **kwargs) -> None:

@@ -1,8 +1,9 @@
 """Layers whose weight is a QuantizedTensor, and the conversion of a model's layers to them.
 
 A quantized layer keeps its format's tensors as buffers (so Module.to moves them) and hands the
-C kernels a `KernelWeight` built once from them. Off CPU, or without a C compiler, it multiplies
-by the dequantized matrix in torch: correct everywhere, fast only on CPU for now.
+C kernels a `KernelWeight` built once from them. On GPUs int8 and int4 (GGUF's Q4 blocks too)
+run in Triton (kernels/triton_quant.py), reading the codes as stored. Elsewhere (fp8, nf4 and
+Q8_0 blocks on a GPU, no C compiler) it multiplies by the dequantized matrix in torch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels import gpu as gpu_kernels
 from brisk.quant.formats import QuantizedTensor, quantize
 
 # `quantization` values that convert a floating-point model after loading, and "gguf", which
@@ -51,6 +53,8 @@ class QuantizedWeight(nn.Module):
         """x [T, cols] @ W^T (+ bias) -> [T, rows], in x's dtype."""
         if cpu_kernels.quant_available(x):
             return cpu_kernels.quant_linear(x.float(), self.kernel_weight()).to(x.dtype)
+        if gpu_kernels.quant_available(x, self.format):
+            return gpu_kernels.quant_linear(x, self.qweight, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.qweight.dequantize().to(x.dtype), bias)
 

@@ -1,7 +1,8 @@
 """The Triton kernels (kernels/triton_attention.py, kernels/triton_layer_ops.py) against the torch
 code they replace: on a GPU compiled, elsewhere in Triton's interpreter (TRITON_INTERPRET=1, set
 here before Triton loads), so CI checks them on every change without one. Then a tiny model
-run through them end to end gives the torch path's greedy tokens."""
+run through them end to end (gpu.serve_cpu_tensors set for that test alone) gives the torch
+path's greedy tokens."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import torch.nn.functional as F  # noqa: E402
 from brisk import LLM, SamplingParams  # noqa: E402
 from brisk.kernels import cpu as cpu_kernels  # noqa: E402
 from brisk.kernels import gpu as gpu_kernels  # noqa: E402
-from brisk.kernels import triton_attention, triton_layer_ops  # noqa: E402
+from brisk.kernels import triton_attention, triton_layer_ops, triton_quant  # noqa: E402
 from brisk.model.attention import AttentionMetadata, PrefillSpan, _decode_attention_torch, _prefill_attention  # noqa: E402
 from brisk.model.rope import Rope  # noqa: E402
+from brisk.quant.formats import quantize  # noqa: E402
 from brisk.quant.kv_cache import KVCacheLayer  # noqa: E402
 from tests.conftest import build_tiny_checkpoint  # noqa: E402
 
@@ -131,22 +133,44 @@ def test_rope_and_cache_write_match_torch(kind, qk_norm):
         assert (got.float() - want.float()).abs().max().item() <= (1 if got.dtype == torch.int8 else 1e-5)
 
 
-@pytest.mark.parametrize("architecture,kind", [("llama", "float32"), ("qwen3", "int8")])
-def test_tiny_model_through_triton_gives_the_torch_path_tokens(tmp_path, monkeypatch, architecture, kind):
-    """Chunked prefill (16-token steps over a 20-token prompt), decodes, and a Qwen3 model's
-    per-head norms, every layer op in Triton, against the same model with every op in torch."""
+@pytest.mark.parametrize("fmt,group_size", [("int8", 32), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("q_dtype", Q_DTYPES)
+def test_low_bit_matmul_matches_the_dequantized_weights(fmt, group_size, q_dtype):
+    """Weights read as stored, against F.linear on the dequantized matrix: a decode row, a few,
+    a prefill's worth; a width that is no multiple of 32 (int4 pads its last block) and one of
+    several groups."""
+    torch.manual_seed(4)
+    for cols in (80, 256):
+        weight = quantize(torch.randn(72, cols), fmt, group_size).to(DEVICE)
+        bias = torch.randn(72, device=DEVICE)
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, cols, device=DEVICE, dtype=q_dtype)
+            expected = F.linear(x.float(), weight.dequantize(), bias)
+            got = triton_quant.quant_linear(x, weight, bias).float()
+            assert (got - expected).abs().max().item() <= _tolerance(q_dtype) * 10 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("architecture,kind,quantization", [("llama", "float32", None), ("qwen3", "int8", "int4")])
+def test_tiny_model_through_triton_gives_the_torch_path_tokens(tmp_path, monkeypatch, architecture, kind,
+                                                               quantization):
+    """Chunked prefill (16-token steps over a 20-token prompt), decodes, a Qwen3 model's per-head
+    norms, an int8 cache and int4 weights (an int8 head), every layer op in Triton, against the
+    same model with every op in torch."""
     folder = build_tiny_checkpoint(str(tmp_path), architecture)
-    for name in ("available", "layer_ops_available", "decode_layers_available", "linear_available"):
+    for name in ("available", "layer_ops_available", "decode_layers_available", "linear_available", "quant_available",
+                 "sampling_available"):
         monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: False)
+    monkeypatch.setattr(gpu_kernels, "serve_cpu_tensors", True)
     prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [30, 31, 32]}]
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     def tokens() -> list[list[int]]:
         llm = LLM(folder, dtype="float32", device=DEVICE.type, num_kv_blocks=32, kv_cache_dtype=kind,
-                  max_num_batched_tokens=16, enforce_eager=True)
+                  quantization=quantization, max_num_batched_tokens=16, enforce_eager=True)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
     through_triton = tokens()
     monkeypatch.setattr(gpu_kernels, "available", lambda *args, **kwargs: False)
     monkeypatch.setattr(gpu_kernels, "attention_available", lambda *args, **kwargs: False)
+    monkeypatch.setattr(gpu_kernels, "quant_available", lambda *args, **kwargs: False)
     assert through_triton == tokens()
