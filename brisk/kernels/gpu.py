@@ -49,9 +49,11 @@ def attention_available(x: torch.Tensor, cache_layer: KVCacheLayer) -> bool:
 
 def quant_available(x: torch.Tensor, weight_format: str) -> bool:
     """Whether the low-bit matmul kernels multiply activations like x by weights in this format."""
+    if not available(x):
+        return False
     from brisk.kernels.triton_quant import FORMATS
 
-    return available(x) and weight_format in FORMATS
+    return weight_format in FORMATS
 
 
 def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
