@@ -143,6 +143,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, presence or frequency penalty applies (the sampler builds [B, V]
+        penalty tensors only for a batch with such a row)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def validate_for_model(self, vocab_size: int) -> "SamplingParams":
         """Checks that need the model; returns the params to run with (top_k past the vocabulary
         means no top-k), leaving the caller's object as it was."""

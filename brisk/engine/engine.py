@@ -45,15 +45,15 @@ class LLMEngine:
                                 config.quantization_group_size, config.int8_activations)
         num_blocks = self._num_kv_blocks()  # after loading: on a GPU the cache gets what the weights leave
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # A speculative step already gains several tokens; its drafters keep state per step.
+        passes = 1 if config.speculative_config is not None else config.num_scheduler_steps
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.attention_cost_context)
+                                   config.enable_chunked_prefill, config.attention_cost_context, passes)
         self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(capture_sizes(config.max_num_seqs), self.max_model_len)
         self.speculator = (Speculator.build(config, self.checkpoint, self.runner, self.max_model_len, num_blocks)
                            if config.speculative_config is not None else None)
-        # A speculative step already gains several tokens; its drafters keep state per step.
-        self.runner.decode_steps = 1 if self.speculator is not None else config.num_scheduler_steps
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.spec.vocab_size, self.tokenizer.eos_token_ids)

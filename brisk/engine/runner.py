@@ -27,7 +27,8 @@ into the slots right after the context, where plain decoding would have put it:
 On a GPU, a step of plain decode rows replays a CUDA graph of the forward (engine/cuda_graphs.py),
 and the step's inputs cross in one pinned copy. A step whose sequences all decode greedily with
 nothing else asked of their logits may run several passes, each fed the last one's tokens on
-the device (`_decode_steps`): the host then schedules and reads tokens once per several passes.
+the device (the scheduler's `decode_passes`): the host then schedules and reads tokens once per
+several passes.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
-from brisk.sample.penalties import uses_penalties
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 from brisk.spec.verify import accepted_path, branch, tree_depths
@@ -95,7 +95,6 @@ class ModelRunner:
                                                 spec.head_dim, device) for _ in range(spec.num_layers)]
         self.keep_hidden_states = False
         self.graphs: DecodeGraphs | None = None
-        self.decode_steps = 1  # most forward passes a step of plain greedy decodes may run (see _decode_steps)
 
     @torch.inference_mode()
     def capture_graphs(self, sizes: list[int], max_model_len: int, capture: GraphCapture | None = None) -> None:
@@ -106,10 +105,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        steps = self._decode_steps(sched)
         batch = self._prepare(sched)
-        if steps > 1:
-            return self._execute_decode_steps(batch, steps)
+        if sched.decode_passes > 1:
+            return self._execute_decode_steps(batch, sched.decode_passes)
         hidden = self._forward(batch.input_ids, batch.positions, batch.attn)
         out = RunnerOutput()
         if batch.sample_chunks:
@@ -124,30 +122,6 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.serves(attn):
             return self.graphs.run(input_ids, positions, attn)
         return self.model(input_ids, positions, self.kv_caches, attn)
-
-    def _decode_steps(self, sched: SchedulerOutput) -> int:
-        """How many forward passes this step runs: up to decode_steps when every chunk is one
-        plain greedy decode whose next tokens depend on nothing but the argmax (no logprobs,
-        penalties, biases, grammar, pending min_tokens or stop strings), fewer when a sequence
-        may gain fewer tokens, and 1 when the pool cannot give every sequence room for them.
-
-        Several passes per step keep the GPU busy while the host would otherwise schedule, build
-        inputs and process outputs between every two of them (vLLM's multi-step scheduling): each
-        pass takes the previous one's tokens on the device, and the host reads them all once.
-        """
-        steps = self.decode_steps
-        if steps == 1 or self.keep_hidden_states or not sched.chunks:
-            return 1
-        for chunk in sched.chunks:
-            r, p = chunk.request, chunk.request.params
-            if (chunk.num_new_tokens != 1 or chunk.draft_token_ids or not chunk.completes_sequence or not p.greedy
-                    or p.logprobs is not None or p.prompt_logprobs is not None or r.grammar is not None
-                    or uses_penalties(p) or p.logit_bias or p.stop_strings or r.num_output_tokens < p.min_tokens):
-                return 1
-            steps = min(steps, r.max_total_tokens - r.num_tokens)
-        if steps > 1 and all(self.kv.allocate(c.request, steps) for c in sched.chunks):
-            return steps
-        return 1
 
     def _execute_decode_steps(self, batch: _Batch, steps: int) -> RunnerOutput:
         """`steps` greedy decode passes, each fed the tokens the one before chose, on the device."""

@@ -101,6 +101,9 @@ class Progress:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Forward passes the step runs: more than one only for a step of plain greedy decodes, with
+    # slots allocated for every pass (Scheduler._decode_passes).
+    decode_passes: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -120,8 +123,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, attention_cost_context: int = 2048):
+                 enable_chunked_prefill: bool = True, attention_cost_context: int = 2048, num_scheduler_steps: int = 1):
         self.kv = kv
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -148,6 +152,7 @@ class Scheduler:
         if not out.preempted:  # memory is short: admitting more would only preempt again
             self._schedule_prefills(out, budget)
         if out.chunks:
+            out.decode_passes = self._decode_passes(out)
             self.stats.num_steps += 1
             self.stats.num_batched_tokens += out.num_batched_tokens
         return out
@@ -166,6 +171,28 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(request, 1 + len(drafts), drafts, parents))
                 cost += self.cost(1 + len(drafts), request.num_computed_tokens)
         return cost
+
+    def _decode_passes(self, out: SchedulerOutput) -> int:
+        """How many forward passes this step runs: up to num_scheduler_steps when every chunk is
+        one plain greedy decode whose next tokens depend on nothing but the argmax (no logprobs,
+        penalties, biases, grammar, pending min_tokens or stop strings), fewer when a sequence
+        may gain fewer tokens, and 1 when the pool cannot give every sequence room for them
+        (what it did give stays with the sequence, for its next tokens).
+
+        Several passes per step keep a GPU busy while the host would otherwise schedule, build
+        inputs and process outputs between every two of them (vLLM's multi-step scheduling): the
+        runner feeds each pass the previous one's tokens on the device and reads them all once.
+        """
+        passes = self.num_scheduler_steps
+        if passes == 1:
+            return 1
+        for chunk in out.chunks:
+            if not _plain_greedy_decode(chunk):
+                return 1
+            passes = min(passes, chunk.request.max_total_tokens - chunk.request.num_tokens)
+        if passes > 1 and all(self.kv.allocate(c.request, passes) for c in out.chunks):
+            return passes
+        return 1
 
     def _allocate_running(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
         """Allocates for a running request, preempting the newest running ones until it fits;
@@ -343,3 +370,11 @@ class _Prefill:
     @property
     def remaining(self) -> int:
         return self.request.num_tokens - self.num_computed
+
+
+def _plain_greedy_decode(chunk: ScheduledChunk) -> bool:
+    """One token to compute, no drafts, and a next token that is the argmax and nothing else."""
+    r, p = chunk.request, chunk.request.params
+    return (chunk.num_new_tokens == 1 and not chunk.draft_token_ids and chunk.completes_sequence and p.greedy
+            and p.logprobs is None and p.prompt_logprobs is None and r.grammar is None and not p.penalized
+            and not p.logit_bias and not p.stop_strings and r.num_output_tokens >= p.min_tokens)

@@ -26,7 +26,7 @@ class Penalties:
     def from_tokens(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
                     output_token_ids: list[list[int]], vocab_size: int, device: torch.device) -> "Penalties":
         """Row i from params[i] and that sequence's tokens. The counts are [B, V], so callers build
-        this only when some row `uses_penalties`."""
+        this only when some row is `penalized`."""
         output_counts = _token_counts(output_token_ids, vocab_size, device)
         prompt_counts = _token_counts(prompt_token_ids, vocab_size, device)
 
@@ -45,11 +45,6 @@ class Penalties:
         penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
         logits = torch.where(self.seen, penalized, logits)
         return logits - self.frequency * self.output_counts - self.presence * (self.output_counts > 0).float()
-
-
-def uses_penalties(params: SamplingParams) -> bool:
-    """Whether a row needs the [B, V] penalty tensors (a batch builds them only if some row does)."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def _token_counts(sequences: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

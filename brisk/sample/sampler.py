@@ -35,7 +35,7 @@ from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.gpu import to_device
 from brisk.sample.grammar import Grammar, apply_bitmask, fill_bitmask
 from brisk.sample.logprobs import RankedLogprobs, rank_targets
-from brisk.sample.penalties import Penalties, uses_penalties
+from brisk.sample.penalties import Penalties
 from brisk.sample.random import to_int64, uniforms
 from brisk.sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ class SamplingBatch:
         def column(values, dtype=torch.float32):
             return to_device(values, dtype, device)
 
-        penalized = [i for i, p in enumerate(params) if uses_penalties(p)]
+        penalized = [i for i, p in enumerate(params) if p.penalized]
         all_greedy = all(p.greedy for p in params)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         return cls(
