@@ -24,6 +24,10 @@ last token and the drafts, priced like any chunk. The step verifies them; update
 K/V of the drafts the model accepted and returns the blocks that held only rejected ones. When
 memory is short a request drops its drafts before anyone is preempted.
 
+A step of nothing but plain greedy decodes may run several forward passes (num_scheduler_steps,
+multi-step scheduling): each sequence gets slots for all of them up front, or the step runs one
+pass (_decode_passes). update() then appends each sequence's tokens until one stops it.
+
 When the block pool cannot hold a running request's next tokens, the newest running request
 is preempted: its blocks go back to the pool and it returns to the head of the waiting queue,
 to be recomputed later (its full blocks usually survive in the prefix cache, so the recompute
