@@ -21,7 +21,8 @@ import torch
 from brisk.args import engine_config_from_args
 from brisk.bench.harness import machine
 from brisk.bench.hf_baseline import hf_generate, load_hf_model
-from brisk.bench.throughput import hf_single_stream_decode, make_prompts, single_stream_decode, weight_bytes
+from brisk.bench.throughput import (hf_single_stream_decode, make_prompts, run_brisk, run_hf, single_stream_decode,
+                                    weight_bytes)
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 
@@ -37,19 +38,6 @@ def memory_bandwidth(device: torch.device, size_bytes: int = 2**30, repeats: int
         dst.copy_(src)
     torch.cuda.synchronize(device)
     return 2 * size_bytes * repeats / (time.perf_counter() - start)
-
-
-def batch_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
-    """Output tok/s of all prompts generated together."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
-
-
-def hf_batch_throughput(model, prompts: list[list[int]], output_len: int, pad: int) -> float:
-    outputs, seconds = hf_generate(model, prompts, output_len, pad)
-    return sum(map(len, outputs)) / seconds
 
 
 def prefill_throughput(llm: LLM, prompts: list[list[int]]) -> float:
@@ -100,9 +88,10 @@ def main(args) -> None:
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, args.prompt_len, vocab, args.seed + batch)
         for engine in variants:  # warm-up at this width (Triton's first launches, the allocator)
-            batch_throughput(engine, prompts, 8)
-        rows.append((f"{batch} sequences, output tok/s", [batch_throughput(e, prompts, args.output_len) for e in variants],
-                     hf_batch_throughput(hf, prompts, args.output_len, pad)))
+            run_brisk(engine, prompts, 8)
+        rows.append((f"{batch} sequences, output tok/s",
+                     [run_brisk(e, prompts, args.output_len).tokens_per_second for e in variants],
+                     run_hf(hf, prompts, args.output_len, batch, pad).tokens_per_second))
     prompts = make_prompts(args.prefill_prompts, args.prefill_len, args.prefill_len, vocab, args.seed + 1)
     for engine in variants:
         prefill_throughput(engine, prompts)  # warm-up

@@ -10,14 +10,11 @@ import torch
 from brisk import LLM, SamplingParams
 from brisk.quant.kv_cache import kv_bytes_per_token
 from tests.conftest import assert_no_leaks, hf_greedy, load_hf_reference
-from tests.engine.test_real_model_parity import QUESTIONS
+from tests.engine.test_real_model_parity import GREEDY_64, QUESTIONS
 from tests.helpers import brisk_logits, hf_logits
 
 pytestmark = [pytest.mark.cuda, pytest.mark.real_model,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-
 
 def _llm(path: str, **kwargs) -> LLM:
     return LLM(path, **{"device": "cuda", "dtype": "float32", "kv_cache_memory_gib": 1.0, "max_model_len": 2048,
