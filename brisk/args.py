@@ -15,9 +15,9 @@ import typing
 from dataclasses import MISSING
 from typing import Any, TypeVar
 
-from brisk.config import ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig, knobs
+from brisk.config import ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig, knobs
 
-C = TypeVar("C", EngineConfig, ServerConfig, EmbeddingConfig, ResponseCacheConfig)
+C = TypeVar("C", EngineConfig, ServerConfig, EmbeddingConfig, ResponseCacheConfig, ClusterConfig)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], title: str) -> None:

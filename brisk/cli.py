@@ -14,7 +14,7 @@ import sys
 
 from brisk.args import (add_config_arguments, add_config_file_argument, add_engine_arguments, config_from_args,
                         engine_config_from_args, parse_args)
-from brisk.config import (EMBEDDING_BACKENDS, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig,
+from brisk.config import (EMBEDDING_BACKENDS, ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig,
                           ServerConfig)
 from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
@@ -91,6 +91,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     embedding_config = config_from_args(EmbeddingConfig, args)
     cache_config = config_from_args(ResponseCacheConfig, args)
     engine_config = engine_config_from_args(args)
+    cluster_config = config_from_args(ClusterConfig, args)
+    if cluster_config.enabled:  # the same app, its engine N replicas on Ray Serve
+        from brisk.cluster.app import serve_cluster
+
+        return serve_cluster(engine_config, server_config, cluster_config, embedding_config, cache_config)
     embedder = load_embedder(embedding_config)
     response_cache = open_response_cache(cache_config, embedder.dimensions if embedder else None)
     engine = _start_engine(engine_config, server_config)
@@ -268,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(serve, ServerConfig, "server options")
     add_config_arguments(serve, EmbeddingConfig, "embedding model options")
     add_config_arguments(serve, ResponseCacheConfig, "response cache options")
+    add_config_arguments(serve, ClusterConfig, "replicas on Ray Serve (pip install brisk[ray])")
     add_engine_arguments(serve)
-    add_config_file_argument(serve, (ServerConfig, EmbeddingConfig, ResponseCacheConfig, EngineConfig))
+    add_config_file_argument(serve, (ServerConfig, EmbeddingConfig, ResponseCacheConfig, ClusterConfig, EngineConfig))
     serve.set_defaults(func=cmd_serve)
 
     embed = sub.add_parser("embed", help="sentence embeddings of texts, one JSON line each")

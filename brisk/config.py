@@ -1,9 +1,9 @@
-"""EngineConfig, EmbeddingConfig, ResponseCacheConfig and ServerConfig: the one place every knob lives.
+"""EngineConfig, EmbeddingConfig, ResponseCacheConfig, ServerConfig and ClusterConfig: the one place every knob lives.
 
 The CLI, the offline `LLM` API and the server all build an EngineConfig; `brisk serve` adds a
 ServerConfig for what only the HTTP front end needs, an EmbeddingConfig for the embedding
-model it serves beside the generation model, and a ResponseCacheConfig for its response cache.
-Command-line flags are generated from
+model it serves beside the generation model, a ResponseCacheConfig for its response cache, and
+a ClusterConfig to serve several engine replicas on Ray Serve. Command-line flags are generated from
 these fields, so a knob is added here once and appears everywhere. Names follow vLLM's where
 vLLM has the same knob.
 """
@@ -385,3 +385,60 @@ class ServerConfig:
     def max_request_body_bytes(self) -> int:
         return int(self.max_request_body_mb * 2**20)
 
+
+CLUSTER_ROUTING = ("prefix", "round_robin", "least_loaded")
+
+
+@dataclass
+class ClusterConfig:
+    """`brisk serve --replicas N`: N engine replicas on Ray Serve behind one OpenAI-compatible
+    ingress (brisk/cluster/). Each replica is a whole engine with its own KV cache, built from
+    the same EngineConfig; the ingress serves the same app as a single `brisk serve`."""
+
+    replicas: int | None = knob(
+        None, "Serve with this many engine replicas on Ray Serve (a fixed count; see min_replicas for autoscaling).")
+    min_replicas: int | None = knob(
+        None, "Autoscale between min_replicas and max_replicas on the replicas' ongoing requests "
+              "(Ray Serve's autoscaler).")
+    max_replicas: int | None = knob(None, "Autoscaling's upper bound (with min_replicas).")
+    target_ongoing_requests: float | None = knob(
+        None, "Autoscaling: the ongoing requests (running and queued) per replica it aims at; default: max_num_seqs.")
+    ray_address: str | None = knob(
+        None, "The Ray cluster to join: auto (the one running on this machine), ray://HOST:10001, or HOST:6379; "
+              "default: start a local one.")
+    routing: str = knob(
+        "prefix", "How the ingress picks a replica: prefix (where the prompt's first blocks are already cached, "
+                  "unless that replica is overloaded), round_robin, or least_loaded (Ray Serve's default).")
+    affinity_max_imbalance: int = knob(
+        8, "Prefix routing: break affinity when the replica holding the prefix has more than this many ongoing "
+           "requests above the least-loaded replica.")
+    replica_num_cpus: float | None = knob(
+        None, "CPUs Ray reserves per replica; default: the engine's num_threads, else 1.")
+    replica_max_ongoing_requests: int | None = knob(
+        None, "Requests a replica accepts at once (running and queued in its engine) before the router tries "
+              "another; default: 4 x max_num_seqs.")
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "min_replicas", "max_replicas", "replica_max_ongoing_requests"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ConfigError("min_replicas and max_replicas go together: give both to autoscale")
+        if self.min_replicas is not None:
+            if self.replicas is not None:
+                raise ConfigError("give replicas (a fixed count) or min_replicas and max_replicas, not both")
+            if self.min_replicas > self.max_replicas:
+                raise ConfigError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.routing not in CLUSTER_ROUTING:
+            raise ConfigError(f"routing must be one of {', '.join(CLUSTER_ROUTING)}, got {self.routing!r}")
+        if self.affinity_max_imbalance < 0:
+            raise ConfigError(f"affinity_max_imbalance must be >= 0, got {self.affinity_max_imbalance}")
+        if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
+            raise ConfigError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
+        if self.replica_num_cpus is not None and self.replica_num_cpus < 0:
+            raise ConfigError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether `brisk serve` runs on Ray Serve rather than as one process."""
+        return self.replicas is not None or self.min_replicas is not None

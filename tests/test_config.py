@@ -1,4 +1,4 @@
-"""EngineConfig's choices that depend on the machine at hand; ServerConfig's names and flags."""
+"""EngineConfig's choices that depend on the machine at hand; ServerConfig's names and flags; ClusterConfig's checks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from brisk.args import add_config_arguments, config_flags, config_from_args
-from brisk.config import ConfigError, EngineConfig, ServerConfig
+from brisk.config import ClusterConfig, ConfigError, EngineConfig, ServerConfig
 from brisk.kernels import cpu as cpu_kernels
 
 
@@ -62,3 +62,21 @@ def test_speculative_config_comes_as_a_dict_or_json_and_round_trips_through_flag
 def test_a_bad_speculative_config_names_what_is_wrong(value, names):
     with pytest.raises(ConfigError, match=names):
         EngineConfig(speculative_config=value)
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(replicas=0), "replicas must be >= 1"),
+    (dict(min_replicas=1), "min_replicas and max_replicas go together"),
+    (dict(min_replicas=3, max_replicas=2), "exceeds max_replicas"),
+    (dict(replicas=2, min_replicas=1, max_replicas=2), "not both"),
+    (dict(replicas=2, routing="random"), "routing must be one of"),
+    (dict(replicas=2, target_ongoing_requests=0), "target_ongoing_requests must be > 0"),
+])
+def test_a_bad_cluster_config_names_what_is_wrong(kwargs, names):
+    with pytest.raises(ConfigError, match=names):
+        ClusterConfig(**kwargs)
+
+
+def test_replicas_or_an_autoscaling_range_turn_the_cluster_on():
+    assert not ClusterConfig().enabled
+    assert ClusterConfig(replicas=2).enabled and ClusterConfig(min_replicas=1, max_replicas=3).enabled

@@ -174,6 +174,18 @@ def add_bench_parser(sub) -> None:
 
     _add_compare_parser(kinds)
 
+    cl = kinds.add_parser("cluster", help="2 replicas on Ray Serve (prefix-aware and round-robin routing) vs one "
+                                          "process with both threads, on a shared-prefix chat workload")
+    cl.add_argument("--groups", type=int, default=8, help="distinct system prompts")
+    cl.add_argument("--system-questions", type=int, default=6,
+                    help="MT-Bench questions in each system prompt (its length: about 60 tokens each)")
+    cl.add_argument("--routings", nargs="+", choices=("prefix", "round_robin", "least_loaded"),
+                    default=["prefix", "round_robin"], help="the replicas' routings to run")
+    cl.add_argument("--output-json", default=None)
+    add_load_arguments(cl)
+    add_engine_arguments(cl)
+    cl.set_defaults(func=_main_of("brisk.bench.cluster"), num_prompts=96, request_rate=2.0, output_len=32)
+
     db = kinds.add_parser("dashboard", help="the live dashboard in headless Chromium while a load runs: a screenshot")
     db.add_argument("--screenshot", default="dashboard.png")
     db.add_argument("--num-prompts", type=int, default=48, help="MT-Bench requests, a third repeating earlier ones")

@@ -46,15 +46,17 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """One request of a workload: a user message (sent as the prompt to /v1/completions) and
-    the most tokens it may generate."""
+    """One request of a workload: a user message (sent as the prompt to /v1/completions), the
+    most tokens it may generate, and optionally a system prompt before it (chat only)."""
 
     content: str
     max_tokens: int
+    system: str | None = None
 
     @property
     def messages(self) -> list[Message]:
-        return [{"role": "user", "content": self.content}]
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return [*system, {"role": "user", "content": self.content}]
 
 
 def mtbench_requests(num: int, max_tokens: int, path: str | None = None) -> list[LoadRequest]:

@@ -105,6 +105,12 @@ SECTIONS = (
             "same GPU in the same run.",
             ("bench", "gpu", "--output-json", f"{IMAGES}/gpu.json"), ("--output-len", "64", "--prefill-prompts", "16"),
             cuda=True),
+    Section("cluster", "Replicas on Ray Serve: prefix-aware routing",
+            "Chat requests opening with one of 8 long system prompts (shuffled, Poisson arrivals): one `brisk serve` "
+            "with both threads against `brisk serve --replicas 2` of one thread each, routed by prefix and round "
+            "robin; the prefix hit rate is the replicas' tokens found cached over tokens looked up.",
+            ("bench", "cluster", "--no-progress"), ("--num-prompts", "16", "--groups", "4", "--request-rate", "4"),
+            needs="ray"),
     Section("embed", "Embeddings: dynamic batching and ONNX Runtime",
             "all-MiniLM-L6-v2: one at a time against dynamic batches, in process and over HTTP.",
             ("bench", "embed"), ("--num-requests", "256", "--rounds", "1", "--where", "process")),
@@ -127,7 +133,7 @@ def run(s: Section, quick: bool) -> str | None:
     shown = shlex.join(["brisk", *argv])
     head = [f"## {s.title}", "", s.about, "", "```bash", shown, "```", ""]
     if s.needs and importlib.util.find_spec(s.needs) is None:
-        print(f"[{s.name}] skipped: it needs {s.needs} (pip install -e '.[test]')", file=sys.stderr)
+        print(f"[{s.name}] skipped: it needs {s.needs} (make install installs it)", file=sys.stderr)
         return None
     if s.cuda and not torch.cuda.is_available():
         print(f"[{s.name}] skipped: it needs a CUDA GPU", file=sys.stderr)

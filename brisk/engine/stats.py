@@ -81,6 +81,21 @@ class EngineSnapshot:
     prefix_cache_evictions: int
 
 
+def combined_snapshot(live: Sequence[EngineSnapshot], ever: Sequence[EngineSnapshot]) -> EngineSnapshot:
+    """Several engines (replicas) as one: the gauges summed over the `live` ones, the cumulative
+    counters over every engine `ever` seen (its last snapshot), so a counter never goes back
+    when an engine leaves. The KV cache usage is the fraction of all their blocks held."""
+    blocks = sum(s.num_kv_blocks for s in live)
+    return EngineSnapshot(
+        num_running=sum(s.num_running for s in live), num_waiting=sum(s.num_waiting for s in live),
+        kv_cache_usage=sum(s.kv_cache_usage * s.num_kv_blocks for s in live) / blocks if blocks else 0.0,
+        num_kv_blocks=blocks, num_free_kv_blocks=sum(s.num_free_kv_blocks for s in live),
+        num_cached_blocks=sum(s.num_cached_blocks for s in live),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in ever),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in ever),
+        prefix_cache_evictions=sum(s.prefix_cache_evictions for s in ever))
+
+
 class StatLogger(Protocol):
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None: ...
 

@@ -1,0 +1,110 @@
+"""EngineReplica: one engine with its own KV cache, as a Ray Serve deployment's replica.
+
+The replica is an AsyncEngine (the step loop on a thread of the replica's process) behind the
+methods the ingress's RayEngineClient calls through a DeploymentHandle. The HTTP layer is not
+here: it runs once, in the ingress, so a replica's Python does nothing but step the engine and
+forward its outputs. Ray Serve calls `check_health` periodically and replaces a replica whose
+engine died; `__del__` is its graceful-shutdown hook.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from brisk.config import EngineConfig
+from brisk.engine.async_engine import AsyncEngine
+from brisk.engine.client import EngineDeadError, ModelInfo
+from brisk.engine.output import RequestOutput
+from brisk.engine.stats import EngineSnapshot, IterationStats
+from brisk.model.tokenizer import Tokenizer
+from brisk.sampling_params import SamplingParams
+
+# Step records kept for the ingress between two of its polls (it polls twice a second; a
+# replica steps at most a few hundred times a second), the oldest dropped if nobody polls.
+_MAX_BUFFERED_RECORDS = 4096
+
+
+@dataclass(frozen=True)
+class ReplicaDescription:
+    """What the ingress needs once, at start: the same for every replica of a deployment."""
+
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+
+
+@dataclass
+class ReplicaReport:
+    """A replica's state at one poll: its step records since the previous poll, and its health."""
+
+    replica_id: str
+    pid: int
+    healthy: bool
+    records: list[tuple[EngineSnapshot, IterationStats]] = field(default_factory=list)
+
+
+class _RecordBuffer:
+    """A StatLogger that keeps step records until drained (engine thread in, actor thread out)."""
+
+    def __init__(self):
+        self._records: deque[tuple[EngineSnapshot, IterationStats]] = deque(maxlen=_MAX_BUFFERED_RECORDS)
+        self._lock = threading.Lock()
+
+    def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
+        with self._lock:
+            self._records.append((snapshot, iteration))
+
+    def drain(self) -> list[tuple[EngineSnapshot, IterationStats]]:
+        with self._lock:
+            records = list(self._records)
+            self._records.clear()
+        return records
+
+
+class EngineReplica:
+    def __init__(self, config: EngineConfig):
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = AsyncEngine(config)
+        self._records = _RecordBuffer()
+        self.engine.add_stat_logger(self._records)
+
+    def describe(self) -> ReplicaDescription:
+        return ReplicaDescription(self.engine.model_info, self.engine.tokenizer)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as a Ray Serve stream. The ingress cancelling the stream (its
+        client left) cancels this generator, and closing the engine stream aborts the request."""
+        stream = self.engine.generate(prompt_token_ids, params, request_id, prompt=prompt, cache_salt=cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    def report(self) -> ReplicaReport:
+        return ReplicaReport(self.replica_id, os.getpid(), self.engine.is_healthy(), self._records.drain())
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.engine.stats()
+
+    async def clear_prefix_cache(self) -> int:
+        return await self.engine.clear_prefix_cache()
+
+    def abort_all(self) -> None:
+        self.engine.abort_all()
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raising makes it replace this replica."""
+        if not self.engine.is_healthy():
+            raise EngineDeadError(f"replica {self.replica_id}: the engine loop is not running")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
