@@ -12,7 +12,7 @@ import math
 
 from brisk.args import add_engine_arguments
 from brisk.bench.workloads import DATASETS
-from brisk.config import EMBEDDING_BACKENDS
+from brisk.config import CLUSTER_ROUTING, EMBEDDING_BACKENDS
 
 
 def add_bench_parser(sub) -> None:
@@ -179,12 +179,12 @@ def add_bench_parser(sub) -> None:
     cl.add_argument("--groups", type=int, default=8, help="distinct system prompts")
     cl.add_argument("--system-questions", type=int, default=6,
                     help="MT-Bench questions in each system prompt (its length: about 60 tokens each)")
-    cl.add_argument("--routings", nargs="+", choices=("prefix", "round_robin", "least_loaded"),
+    cl.add_argument("--routings", nargs="+", choices=CLUSTER_ROUTING,
                     default=["prefix", "round_robin"], help="the replicas' routings to run")
     cl.add_argument("--output-json", default=None)
     add_load_arguments(cl)
     add_engine_arguments(cl)
-    cl.set_defaults(func=_main_of("brisk.bench.cluster"), num_prompts=96, request_rate=2.0, output_len=32)
+    cl.set_defaults(func=_main_of("brisk.bench.cluster"), num_prompts=96, request_rate=1.0, output_len=32)
 
     db = kinds.add_parser("dashboard", help="the live dashboard in headless Chromium while a load runs: a screenshot")
     db.add_argument("--screenshot", default="dashboard.png")

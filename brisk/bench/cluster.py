@@ -6,9 +6,9 @@ The same machine, the same cores, the same requests, side by side:
   - the same, routed round robin (and any other --routings asked for).
 The workload is chat requests each opening with one of --groups system prompts (a product's
 assistants, each with its long instructions) followed by an MT-Bench question, in shuffled order,
-arriving Poisson at --request-rate. For each: throughput, TTFT p50/p99, and the prefix-cache hit
-rate (tokens found cached over tokens looked up, from the server's /metrics, the replicas'
-counts summed). Prefix routing should keep the hit rate near the single process's, which has
+arriving Poisson at --request-rate, then all at once (the prefix caches emptied between). For
+each: throughput, TTFT p50/p99, and the prefix-cache hit rate (tokens found cached over tokens
+looked up, from the server's /metrics, the replicas' counts summed). Prefix routing should keep the hit rate near the single process's, which has
 every prefix in one cache; round robin computes each prefix once per replica.
 """
 
@@ -70,17 +70,22 @@ def prefix_counters(base_url: str) -> tuple[int, int]:
     return values["prefix_cache_queries_total"], values["prefix_cache_hits_total"]
 
 
-def run_one(label: str, flags: list[str], requests: list[LoadRequest], args) -> ClusterRun:
+def run_one(label: str, flags: list[str], requests: list[LoadRequest], args) -> list[ClusterRun]:
+    """The workload at --request-rate, then (the prefix caches emptied) all at once: the
+    server's latency under a given load, then its throughput."""
     server = ServerConfig(port=free_port(), log_level="warning")
-    settings = load_settings(args, args.request_rate)
+    runs = []
     with brisk_serve([*flags, *config_flags(server), "--embedding-model", "none"], server,
                      args.startup_timeout) as url:
-        measure(url, [WARMUP] * args.warmup, replace(settings, request_rate=math.inf), "warm-up", warmup=0)
-        before = _settled(lambda: prefix_counters(url))
-        report = measure(url, requests, settings, label, warmup=0, progress=not args.no_progress)
-        after = _settled(lambda: prefix_counters(url))
-    print("\n".join(report.lines()), flush=True)
-    return ClusterRun(label, report, after[0] - before[0], after[1] - before[1])
+        measure(url, [WARMUP] * args.warmup, load_settings(args, math.inf), "warm-up", warmup=0)
+        for rate in (args.request_rate, math.inf):
+            urllib.request.urlopen(urllib.request.Request(f"{url}/v1/cache", method="DELETE"), timeout=30).close()
+            before = _settled(lambda: prefix_counters(url))
+            report = measure(url, requests, load_settings(args, rate), label, warmup=0, progress=not args.no_progress)
+            after = _settled(lambda: prefix_counters(url))
+            print("\n".join(report.lines()), flush=True)
+            runs.append(ClusterRun(label, report, after[0] - before[0], after[1] - before[1]))
+    return runs
 
 
 def _settled(read, seconds: float = 10.0):
@@ -99,19 +104,20 @@ def main(args) -> None:
     engine = engine_config_from_args(args)
     requests = shared_prefix_requests(args.groups, args.num_prompts, args.system_questions, args.output_len,
                                       args.workload_seed)
-    runs = [run_one(f"one process, {THREADS} threads",
-                    config_flags(replace(engine, num_threads=THREADS)), requests, args)]
+    runs = run_one(f"one process, {THREADS} threads", config_flags(replace(engine, num_threads=THREADS)),
+                   requests, args)
     for routing in args.routings:
         flags = [*config_flags(replace(engine, num_threads=1)),
                  *config_flags(ClusterConfig(replicas=THREADS, routing=routing))]
-        runs.append(run_one(f"{THREADS} replicas x 1 thread, {routing.replace('_', ' ')}", flags, requests, args))
-    print(f"\n{len(requests)} chat requests, {args.groups} system prompts, {args.output_len} output tokens, "
-          f"Poisson {args.request_rate} req/s\n")
-    print("| server | output tok/s | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | prefix hit rate | failed |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+        runs += run_one(f"{THREADS} replicas x 1 thread, {routing.replace('_', ' ')}", flags, requests, args)
+    print(f"\n{len(requests)} chat requests, {args.groups} system prompts, {args.output_len} output tokens\n")
+    print("| server | arrivals | output tok/s | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | prefix hit rate | failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for run in runs:
         r = run.report
-        print(f"| {run.label} | {r.output_throughput:.1f} | {r.request_throughput:.2f} | "
+        arrivals = "all at once" if math.isinf(r.request_rate) else f"Poisson {r.request_rate:g}/s"
+        print(f"| {run.label} | {arrivals} | {r.output_throughput:.1f} | {r.request_throughput:.2f} | "
               f"{r.metric('ttft_p50_ms'):.0f} | {r.metric('ttft_p99_ms'):.0f} | {run.hit_rate:.1%} | {r.failed} |")
     if args.output_json:
-        write_json(args.output_json, {run.label: [run.report] for run in runs})
+        write_json(args.output_json, {label: [r.report for r in runs if r.label == label]
+                                      for label in dict.fromkeys(r.label for r in runs)})

@@ -11,19 +11,25 @@ replica), and streams the outputs back.
 What the single-process client reads from its one engine, this one gathers from all replicas:
 a thread polls every replica twice a second (`report`) for its step records, which it replays
 to the app's stat loggers (Prometheus, the dashboard) with the replicas' snapshots summed, and
-for health: the service is healthy while at least one replica answered healthy recently.
-A replica that dies ends its in-flight streams with EngineDeadError (the server answers 503, or
-an error event mid-stream); Ray Serve replaces it and the others go on serving.
+for health: the service is healthy while at least one replica answered healthy recently, and
+while none has, a request is refused at once (503) rather than queued for a replica that may
+never come. A replica that dies ends its in-flight streams with EngineDeadError (the server
+answers 503, or an error event mid-stream); Ray Serve replaces it and the others go on serving.
+The latency figures are the replicas' own: measured from a request's arrival at its engine, so
+time spent in Ray's router (nothing, unless every replica is full) is not in them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import weakref
 from typing import AsyncIterator
 
 from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from brisk.cluster.replica import ReplicaDescription, ReplicaReport
@@ -36,19 +42,29 @@ from brisk.sampling_params import SamplingParams
 logger = logging.getLogger("brisk.cluster")
 
 POLL_SECONDS = 0.5
-# No healthy report for this long (about ten polls) and /health answers 503.
+# A poll waits this long for the replicas' answers: less than the health window below, so one
+# replica slow to answer delays no verdict on the others for long.
+_POLL_TIMEOUT_SECONDS = 2.0
+# No replica reported healthy for this long (about ten polls) and /health answers 503.
 HEALTHY_WITHIN_SECONDS = 5.0
 _CALL_TIMEOUT_SECONDS = 10.0
 
 
 class RayRequestStream:
     """One request's outputs from its replica. Closing it, cancelling a task waiting on it, or
-    dropping it early cancels the replica's stream, which aborts the request there."""
+    dropping it early cancels the replica's stream, which aborts the request there.
+
+    A replica sends the prompt (text and ids) with its first output only; it is put back on
+    each later one here, so the app sees the outputs the engine made."""
 
     def __init__(self, client: "RayEngineClient", request_id: str, response, load: QueueLoad):
         self._client, self.request_id, self._response, self.load = client, request_id, response, load
-        self.started = False
+        self._first: RequestOutput | None = None
         self._done = False
+
+    @property
+    def started(self) -> bool:
+        return self._first is not None
 
     def __aiter__(self) -> "RayRequestStream":
         return self
@@ -58,22 +74,25 @@ class RayRequestStream:
             raise StopAsyncIteration
         try:
             output = await self._response.__anext__()
-        except StopAsyncIteration:  # a replica stream always ends with a finished output; this one did not
+        except StopAsyncIteration:  # a replica's stream ends with a finished output; this one did not
             self._close(cancel=False)
             raise EngineDeadError(f"the replica serving request {self.request_id} ended its stream early") from None
         except RayTaskError as exc:  # raised by the replica's code: the engine's own error, as it raised it
             self._close(cancel=False)
             raise exc.cause if isinstance(exc.cause, Exception) else EngineDeadError(str(exc)) from exc
-        except RayError as exc:  # the replica's process died or cannot be reached
+        except (RayError, RayServeException) as exc:  # the replica died, is unreachable, or was stopped
             self._close(cancel=False)
-            raise EngineDeadError(f"the replica serving request {self.request_id} failed "
+            raise EngineDeadError(f"the replica serving request {self.request_id} failed or was stopped "
                                   f"({type(exc).__name__}); other replicas go on serving") from exc
         except BaseException:  # cancelled while waiting: the caller is gone
             self._close(cancel=True)
             raise
-        if not self.started:
-            self.started = True
-            self._client._waiting -= self.load
+        if self._first is None:
+            self._first = output
+            self._client._started(self)
+        else:
+            output = dataclasses.replace(output, prompt=self._first.prompt,
+                                         prompt_token_ids=self._first.prompt_token_ids)
         if output.finished:
             self._close(cancel=False)
         return output
@@ -97,11 +116,14 @@ class RayEngineClient(EngineClient):
     def __init__(self, handle: DeploymentHandle, description: ReplicaDescription, poll_seconds: float = POLL_SECONDS):
         self.model_info, self.tokenizer = description.model_info, description.tokenizer
         self._handle = handle
-        self._streams: dict[str, RayRequestStream] = {}
+        # Weak: a stream dropped unread must still be collected, and its __del__ cancel the request.
+        self._streams: weakref.WeakValueDictionary[str, RayRequestStream] = weakref.WeakValueDictionary()
         self._waiting = QueueLoad(0, 0)  # sent, no output yet
         self._stat_loggers: list[StatLogger] = []
         self._snapshots: dict[str, EngineSnapshot] = {}  # every replica ever seen -> its latest
+        self._snapshots_lock = threading.Lock()  # the poll thread and the event loop both update them
         self._healthy_at = time.monotonic()
+        self._draining = False
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, args=(poll_seconds,), name="brisk-replica-poll",
                                         daemon=True)
@@ -117,6 +139,10 @@ class RayEngineClient(EngineClient):
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = validate_request(prompt_token_ids, params, self.model_info.vocab_size, self.model_info.max_model_len)
+        if self._draining:
+            raise EngineDeadError("the server is shutting down")
+        if not self.is_healthy():
+            raise EngineDeadError(f"no replica has answered healthy in the last {HEALTHY_WITHIN_SECONDS:g} s")
         # The prompt goes first and positional: the router reads it as args[0].
         response = self._handle.options(stream=True).generate.remote(
             list(prompt_token_ids), params, request_id, prompt=prompt, cache_salt=cache_salt)
@@ -134,7 +160,7 @@ class RayEngineClient(EngineClient):
     def abort_all(self) -> None:
         """Every replica ends its requests with a final "abort" output (sent from a thread: the
         caller may be the event loop, which a broadcast must not block)."""
-        threading.Thread(target=self._broadcast, args=("abort_all",), daemon=True).start()
+        threading.Thread(target=self._broadcast, args=("abort_all", _CALL_TIMEOUT_SECONDS), daemon=True).start()
 
     def queue_load(self) -> QueueLoad:
         """Requests sent and not yet answered once (their prefill still ahead): what this
@@ -142,11 +168,17 @@ class RayEngineClient(EngineClient):
         return self._waiting
 
     async def stats(self) -> EngineSnapshot:
-        snapshots = await self._handle.broadcast("snapshot").results_async(timeout_s=_CALL_TIMEOUT_SECONDS)
-        return combined_snapshot(snapshots, snapshots)
+        answers = await self._handle.broadcast("snapshot").results_async(timeout_s=_CALL_TIMEOUT_SECONDS,
+                                                                        return_exceptions=True)
+        live = dict(a for a in answers if isinstance(a, tuple))
+        if not live:
+            raise EngineDeadError("no replica answered")
+        return self._combine(live)
 
     async def clear_prefix_cache(self) -> int:
-        return sum(await self._handle.broadcast("clear_prefix_cache").results_async(timeout_s=_CALL_TIMEOUT_SECONDS))
+        answers = await self._handle.broadcast("clear_prefix_cache").results_async(
+            timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
+        return sum(a for a in answers if isinstance(a, int))
 
     def is_healthy(self) -> bool:
         return time.monotonic() - self._healthy_at < HEALTHY_WITHIN_SECONDS
@@ -157,6 +189,10 @@ class RayEngineClient(EngineClient):
     def remove_stat_logger(self, stat_logger: StatLogger) -> None:
         self._stat_loggers = [s for s in self._stat_loggers if s is not stat_logger]
 
+    def drain(self) -> None:
+        """From now on new requests are refused (EngineDeadError: 503); running ones go on."""
+        self._draining = True
+
     def shutdown(self) -> None:
         self._stop.set()
         self._poller.join(timeout=_CALL_TIMEOUT_SECONDS)
@@ -164,32 +200,45 @@ class RayEngineClient(EngineClient):
     # ----- the poll thread ---------------------------------------------------------------------
     def _poll(self, seconds: float) -> None:
         while not self._stop.wait(seconds):
-            reports = self._broadcast("report")
-            if reports is not None:
-                self._replay([r for r in reports if isinstance(r, ReplicaReport)])
+            try:
+                reports = self._broadcast("report", _POLL_TIMEOUT_SECONDS)
+                if reports is not None:
+                    self._replay([r for r in reports if isinstance(r, ReplicaReport)])
+            except Exception:  # noqa: BLE001 - a logger's failure must not end the polling (and health)
+                logger.exception("replaying the replicas' step records failed")
 
     def _replay(self, reports: list[ReplicaReport]) -> None:
         """Hands each replica's step records to the loggers, each with the sum of the replicas'
         snapshots as of that record (the live ones: those that reported in this poll)."""
         if any(r.healthy for r in reports):
             self._healthy_at = time.monotonic()
-        live = {r.replica_id for r in reports}
         for report in reports:
             for snapshot, iteration in report.records:
-                self._snapshots[report.replica_id] = snapshot
-                combined = combined_snapshot([s for r, s in self._snapshots.items() if r in live],
-                                             list(self._snapshots.values()))
+                latest = {r.replica_id: self._snapshots[r.replica_id] for r in reports if r.replica_id in self._snapshots}
+                combined = self._combine({**latest, report.replica_id: snapshot})
                 for stat_logger in self._stat_loggers:
                     stat_logger.record(combined, iteration)
 
-    def _broadcast(self, method: str) -> list | None:
+    def _combine(self, live: dict[str, EngineSnapshot]) -> EngineSnapshot:
+        """The `live` replicas' snapshots (replica id -> snapshot) summed, their counters added to
+        those of every replica seen before, so none goes back when a replica is replaced."""
+        with self._snapshots_lock:
+            self._snapshots.update(live)
+            return combined_snapshot(list(live.values()), list(self._snapshots.values()))
+
+    def _broadcast(self, method: str, timeout: float) -> list | None:
         try:
-            return self._handle.broadcast(method).results(timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
+            return self._handle.broadcast(method).results(timeout_s=timeout, return_exceptions=True)
         except Exception as exc:  # noqa: BLE001 - no replica answered: health goes stale, and says so
             logger.warning("calling %s on the replicas failed: %s", method, exc)
             return None
 
+    # ----- the streams' side ---------------------------------------------------------------------
+    def _started(self, stream: RayRequestStream) -> None:
+        self._waiting -= stream.load
+
     def _forget(self, stream: RayRequestStream) -> None:
-        self._streams.pop(stream.request_id, None)
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
         if not stream.started:
             self._waiting -= stream.load

@@ -9,6 +9,7 @@ engine died; `__del__` is its graceful-shutdown hook.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections import deque
@@ -79,19 +80,23 @@ class EngineReplica:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as a Ray Serve stream. The ingress cancelling the stream (its
-        client left) cancels this generator, and closing the engine stream aborts the request."""
+        client left) cancels this generator, and closing the engine stream aborts the request.
+        The prompt (text and ids) goes with the first output only: the ingress has it from then
+        on, and a long prompt would otherwise be pickled again with every token."""
         stream = self.engine.generate(prompt_token_ids, params, request_id, prompt=prompt, cache_salt=cache_salt)
+        first = True
         try:
             async for output in stream:
-                yield output
+                yield output if first else dataclasses.replace(output, prompt=None, prompt_token_ids=[])
+                first = False
         finally:
             await stream.aclose()
 
     def report(self) -> ReplicaReport:
         return ReplicaReport(self.replica_id, os.getpid(), self.engine.is_healthy(), self._records.drain())
 
-    async def snapshot(self) -> EngineSnapshot:
-        return await self.engine.stats()
+    async def snapshot(self) -> tuple[str, EngineSnapshot]:
+        return self.replica_id, await self.engine.stats()
 
     async def clear_prefix_cache(self) -> int:
         return await self.engine.clear_prefix_cache()

@@ -26,11 +26,12 @@ _TENTATIVE_SECONDS = 5.0
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, block_size: int = 16, max_blocks: int = 64, max_imbalance: int = 8, **_) -> None:
+    def initialize_state(self, block_size: int = 16, max_blocks: int = 64, max_imbalance: int = 8) -> None:
         self.affinity = PrefixAffinity(block_size, max_blocks, max_imbalance)
         self.in_flight: dict[ReplicaID, int] = {}
         self.routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until completed
-        self.tentative: dict[str, tuple[ReplicaID, float]] = {}  # ranked, not yet routed -> (first choice, when)
+        # Ranked, not yet routed: internal request id -> (first choice, when, the prompt's key)
+        self.tentative: dict[str, tuple[ReplicaID, float, list[int]]] = {}
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -39,29 +40,36 @@ class PrefixAffinityRouter(RequestRouter):
             return [[r] for r in sorted(candidate_replicas, key=lambda r: loads[r.replica_id])]
         pending_request.routing_context.should_backoff = True  # all full: back off, don't spin
         by_id = {r.replica_id: r for r in candidate_replicas}
-        ranked = self.affinity.rank(self._key(pending_request), loads)
+        key = self.affinity.key(pending_request.args[0], pending_request.kwargs.get("cache_salt"))
+        ranked = self.affinity.rank(key, loads)
         if ranked:
-            self.tentative[pending_request.metadata.internal_request_id] = (ranked[0], time.monotonic())
+            self.tentative[pending_request.metadata.internal_request_id] = (ranked[0], time.monotonic(), key)
         return [[by_id[replica_id]] for replica_id in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        if pending_request.args:
-            self.affinity.record(replica_id, self._key(pending_request))
+        """Called once per request, for the replica that accepted it (a refusal is not routed)."""
         request_id = pending_request.metadata.internal_request_id
-        self.tentative.pop(request_id, None)
+        ranked = self.tentative.pop(request_id, None)
+        if ranked is not None:
+            self.affinity.record(replica_id, ranked[2])
         self.routed[request_id] = replica_id
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Also called for an attempt a full replica refused, naming that replica: only the
+        replica the request was routed to gives its count back."""
         self.tentative.pop(internal_request_id, None)
-        if self.routed.pop(internal_request_id, None) is not None and replica_id in self.in_flight:
-            self.in_flight[replica_id] = max(self.in_flight[replica_id] - 1, 0)
+        if self.routed.get(internal_request_id) != replica_id:
+            return
+        del self.routed[internal_request_id]
+        if replica_id in self.in_flight:
+            self.in_flight[replica_id] -= 1
 
     def _loads(self, replica_ids: Iterable[ReplicaID]) -> dict[ReplicaID, int]:
         """Each replica's requests in flight, plus those ranked first for it and not yet routed."""
         loads = {r: self.in_flight.get(r, 0) for r in replica_ids}
         expired = time.monotonic() - _TENTATIVE_SECONDS
-        for request_id, (replica_id, when) in list(self.tentative.items()):
+        for request_id, (replica_id, when, _) in list(self.tentative.items()):
             if when < expired:
                 del self.tentative[request_id]
             elif replica_id in loads:
@@ -80,6 +88,4 @@ class PrefixAffinityRouter(RequestRouter):
         keep = set(replica_ids)
         self.affinity.retain(keep)
         self.in_flight = {r: n for r, n in self.in_flight.items() if r in keep}
-
-    def _key(self, pending_request: PendingRequest) -> list[int]:
-        return self.affinity.key(pending_request.args[0], pending_request.kwargs.get("cache_salt"))
+        self.routed = {request_id: r for request_id, r in self.routed.items() if r in keep}

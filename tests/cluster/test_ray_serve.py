@@ -91,8 +91,13 @@ def test_bad_requests_are_answered_by_the_ingress(client):
         client.completions.create(model="not-served", prompt="w5", max_tokens=2)
 
 
-def _prefix_hits() -> list[int]:
-    return [s.prefix_cache_hits for s in engines().broadcast("snapshot").results(timeout_s=30)]
+def snapshots() -> dict:
+    """replica id -> its engine's snapshot"""
+    return dict(engines().broadcast("snapshot").results(timeout_s=30))
+
+
+def _prefix_hits() -> dict[str, int]:
+    return {replica_id: s.prefix_cache_hits for replica_id, s in snapshots().items()}
 
 
 def _metric(base: str, name: str) -> float:
@@ -107,7 +112,8 @@ def test_requests_sharing_a_prefix_land_on_the_replica_holding_it(cluster, clien
     for prefix in groups.values():
         for i in range(4):
             client.completions.create(model="tiny", prompt=f"{prefix} w{10 + i} w{20 + i}", max_tokens=2)
-    gained = sorted(after - before for before, after in zip(hits_before, _prefix_hits()))
+    hits_after = _prefix_hits()
+    gained = [hits_after[r] - hits_before[r] for r in hits_before]
     # Each group's first request computes its prefix, the 3 after it find all 4 blocks cached:
     # only if all 4 went to the same replica (round robin would have found 2 blocks' worth per group).
     assert sum(gained) == 2 * 3 * 4 * BLOCK
@@ -123,8 +129,7 @@ def test_a_client_leaving_frees_its_blocks_on_the_replica(client):
     for _, _chunk in zip(range(3), stream):
         pass
     stream.close()
-    wait_for(lambda: all(s.num_running == 0 and s.kv_cache_usage == 0
-                         for s in engines().broadcast("snapshot").results(timeout_s=30)), 20,
+    wait_for(lambda: all(s.num_running == 0 and s.kv_cache_usage == 0 for s in snapshots().values()), 20,
              "the aborted request's blocks to be freed")
 
 
