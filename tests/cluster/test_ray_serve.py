@@ -187,19 +187,3 @@ def test_autoscaling_adds_replicas_under_load(tiny_folder, cluster):
         for s in streams:
             s.cancel()
         serve.delete("autoscaled")
-
-
-def test_shutdown_stops_every_replica(cluster):
-    pids = {r.pid for r in reports()}
-    serve.shutdown()
-
-    def gone(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    wait_for(lambda: all(gone(pid) for pid in pids), 60, "the replicas' processes to exit")
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"{cluster}/health", timeout=5)
