@@ -26,7 +26,8 @@ from ray.serve.handle import DeploymentHandle
 from brisk.cache.response_cache import open_response_cache
 from brisk.cluster.client import RayEngineClient
 from brisk.cluster.replica import EngineReplica
-from brisk.config import EMBEDDING_DISABLED, ClusterConfig, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig
+from brisk.config import (EMBEDDING_DISABLED, ClusterConfig, EmbeddingConfig, EngineConfig, ResponseCacheConfig,
+                          ServerConfig)
 from brisk.embed.embedder import load_embedder
 from brisk.server.app import build_app
 
