@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, replace
 
 from brisk.args import config_flags, engine_config_from_args
-from brisk.bench.harness import brisk_serve, free_port
+from brisk.bench.harness import brisk_serve, free_port, prometheus_samples
 from brisk.bench.load import LoadReport, LoadRequest
 from brisk.bench.serve import WARMUP, load_settings, measure, write_json
 from brisk.bench.workloads import mt_bench_first_turns
@@ -61,13 +61,8 @@ class ClusterRun:
 def prefix_counters(base_url: str) -> tuple[int, int]:
     """brisk:prefix_cache_queries_total and _hits_total from the server's /metrics."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
-            if line.startswith(f"brisk:{name}{{"):
-                values[name] = int(float(line.rsplit(" ", 1)[1]))
-    return values["prefix_cache_queries_total"], values["prefix_cache_hits_total"]
+        samples = prometheus_samples(response.read().decode())
+    return int(samples["brisk:prefix_cache_queries_total"]), int(samples["brisk:prefix_cache_hits_total"])
 
 
 def run_one(label: str, flags: list[str], requests: list[LoadRequest], args) -> list[ClusterRun]:

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.bench.perplexity import DEFAULT_TEXT
-from brisk.bench.harness import brisk_serve, free_port, machine
+from brisk.bench.harness import brisk_serve, free_port, machine, prometheus_samples
 from brisk.engine.stats import percentiles
 from brisk.bench.workloads import sentences
 from brisk.config import EmbeddingConfig, ServerConfig
@@ -108,7 +107,7 @@ def run_over_http(texts: list[str], concurrency: int, config: EmbeddingConfig, n
 
                 async def metrics() -> dict[str, float]:
                     async with http.get("/metrics") as response:
-                        return _metrics(await response.text())
+                        return prometheus_samples(await response.text())
 
                 await _callers(texts[:concurrency], concurrency, request)  # warm-up
                 runs = []
@@ -130,12 +129,6 @@ def _median(rounds: list[Run]) -> Run:
     middle = ordered[len(ordered) // 2]
     middle.every_round = [r.requests_per_second for r in rounds]
     return middle
-
-
-def _metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value}, histogram buckets left out."""
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if "le" not in sample.labels}
 
 
 def main(args) -> None:

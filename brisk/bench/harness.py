@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.config import ServerConfig
 
@@ -106,3 +107,9 @@ def _cpuinfo() -> dict[str, str]:
     except OSError:
         pass
     return fields
+
+
+def prometheus_samples(text: str) -> dict[str, float]:
+    """Prometheus text (a server's /metrics) -> {sample name: value}, histogram buckets left out."""
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if "le" not in sample.labels}
