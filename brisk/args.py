@@ -15,7 +15,8 @@ import typing
 from dataclasses import MISSING
 from typing import Any, TypeVar
 
-from brisk.config import ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig, knobs
+from brisk.config import (ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig, ServerConfig,
+                          knobs)
 
 C = TypeVar("C", EngineConfig, ServerConfig, EmbeddingConfig, ResponseCacheConfig, ClusterConfig)
 

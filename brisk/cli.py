@@ -14,8 +14,8 @@ import sys
 
 from brisk.args import (add_config_arguments, add_config_file_argument, add_engine_arguments, config_from_args,
                         engine_config_from_args, parse_args)
-from brisk.config import (EMBEDDING_BACKENDS, ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig, ResponseCacheConfig,
-                          ServerConfig)
+from brisk.config import (EMBEDDING_BACKENDS, ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig,
+                          ResponseCacheConfig, ServerConfig)
 from brisk.engine.client import EngineClient
 from brisk.engine.engine import LLMEngine
 from brisk.llm import BATCHING_MODES

@@ -8,8 +8,9 @@ The workload is chat requests each opening with one of --groups system prompts (
 assistants, each with its long instructions) followed by an MT-Bench question, in shuffled order,
 arriving Poisson at --request-rate, then all at once (the prefix caches emptied between). For
 each: throughput, TTFT p50/p99, and the prefix-cache hit rate (tokens found cached over tokens
-looked up, from the server's /metrics, the replicas' counts summed). Prefix routing should keep the hit rate near the single process's, which has
-every prefix in one cache; round robin computes each prefix once per replica.
+looked up, from the server's /metrics, the replicas' counts summed). Prefix routing should keep
+the hit rate near the single process's, which has every prefix in one cache; round robin computes
+each prefix once per replica.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def main(args) -> None:
                  *config_flags(ClusterConfig(replicas=THREADS, routing=routing))]
         runs += run_one(f"{THREADS} replicas x 1 thread, {routing.replace('_', ' ')}", flags, requests, args)
     print(f"\n{len(requests)} chat requests, {args.groups} system prompts, {args.output_len} output tokens\n")
-    print("| server | arrivals | output tok/s | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | prefix hit rate | failed |")
+    print("| server | arrivals | output tok/s | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | prefix hit rate "
+          "| failed |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for run in runs:
         r = run.report

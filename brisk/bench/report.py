@@ -107,11 +107,11 @@ SECTIONS = (
             cuda=True),
     Section("cluster", "Replicas on Ray Serve: prefix-aware routing",
             "Chat requests opening with one of 8 long system prompts (shuffled; Poisson arrivals at 1 req/s, then all "
-            "at once): one `brisk serve` "
-            "with both threads against `brisk serve --replicas 2` of one thread each, routed by prefix, round "
-            "robin and Ray Serve's default (least loaded of two random replicas); the prefix hit rate is the "
-            "replicas' tokens found cached over tokens looked up.",
-            ("bench", "cluster", "--routings", "prefix", "round_robin", "least_loaded", "--no-progress"), ("--num-prompts", "16", "--groups", "4", "--request-rate", "4"),
+            "at once): one `brisk serve` with both threads against `brisk serve --replicas 2` of one thread each, "
+            "routed by prefix, round robin and Ray Serve's default (least loaded of two random replicas); the prefix "
+            "hit rate is the replicas' tokens found cached over tokens looked up.",
+            ("bench", "cluster", "--routings", "prefix", "round_robin", "least_loaded", "--no-progress"),
+            ("--num-prompts", "16", "--groups", "4", "--request-rate", "4"),
             needs="ray"),
     Section("embed", "Embeddings: dynamic batching and ONNX Runtime",
             "all-MiniLM-L6-v2: one at a time against dynamic batches, in process and over HTTP.",

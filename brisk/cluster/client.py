@@ -214,7 +214,8 @@ class RayEngineClient(EngineClient):
             self._healthy_at = time.monotonic()
         for report in reports:
             for snapshot, iteration in report.records:
-                latest = {r.replica_id: self._snapshots[r.replica_id] for r in reports if r.replica_id in self._snapshots}
+                latest = {r.replica_id: self._snapshots[r.replica_id] for r in reports
+                          if r.replica_id in self._snapshots}
                 combined = self._combine({**latest, report.replica_id: snapshot})
                 for stat_logger in self._stat_loggers:
                     stat_logger.record(combined, iteration)
