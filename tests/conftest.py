@@ -64,6 +64,25 @@ def build_tiny_checkpoint(folder: str, architecture: str) -> str:
     return folder
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist each worker (and every process it starts) computes on one thread: two
+    workers of two OpenMP threads each on two cores stall at every parallel region's barrier."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items) -> None:
+    """`make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): on one, half
+    its time is a Python thread waiting on a server or a subprocess while a core sits idle.
+    A module stays on one worker, so its module fixtures (a tiny engine, a trained draft) are built
+    once; the Ray tests share one group, so two local Ray clusters never start side by side."""
+    for item in items:
+        group = "ray" if item.path.parent.name == "cluster" else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
 def tiny_model_dir(request, tmp_path_factory) -> str:
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)

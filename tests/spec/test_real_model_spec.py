@@ -84,8 +84,8 @@ def test_greedy_tokens_equal_plain_decoding(real_llm, speculate, method, workloa
                               use_tqdm=False)
     speculate(method)
     batched = real_llm.generate(prompts, params, use_tqdm=False)
-    alone = [real_llm.generate(p, params, use_tqdm=False)[0] for p in prompts[:2]]
-    for mine, reference in zip(batched + alone, plain + plain[:2]):
+    alone = real_llm.generate(prompts[0], params, use_tqdm=False)
+    for mine, reference in zip(batched + alone, plain + plain[:1]):
         tokens, expected = mine.outputs[0].token_ids, reference.outputs[0].token_ids
         at = _first_difference(tokens, expected)
         if at is not None:  # allowed only where the model itself cannot tell the two tokens apart
