@@ -119,7 +119,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_holding_it(cluster, clien
     assert sum(gained) == 2 * 3 * 4 * BLOCK
     assert all(g % (3 * 4 * BLOCK) == 0 for g in gained)
     # /metrics counts the replicas' hits together (replayed from their step records by the ingress)
-    wait_for(lambda: _metric(cluster, "brisk:prefix_cache_hits_total") - metric_before == sum(gained), 10,
+    wait_for(lambda: _metric(cluster, "brisk:prefix_cache_hits_total") - metric_before == sum(gained), 60,
              "the aggregated prefix-hit counter")
 
 
@@ -129,7 +129,7 @@ def test_a_client_leaving_frees_its_blocks_on_the_replica(client):
     for _, _chunk in zip(range(3), stream):
         pass
     stream.close()
-    wait_for(lambda: all(s.num_running == 0 and s.kv_cache_usage == 0 for s in snapshots().values()), 20,
+    wait_for(lambda: all(s.num_running == 0 and s.kv_cache_usage == 0 for s in snapshots().values()), 60,
              "the aborted request's blocks to be freed")
 
 
@@ -151,9 +151,9 @@ def test_killing_a_replica_fails_its_requests_and_the_service_goes_on(cluster):
         client = openai.AsyncOpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0, timeout=60)
         events = [asyncio.Event() for _ in range(6)]
         tasks = [asyncio.create_task(stream_one(client, i, e)) for i, e in enumerate(events)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
         os.kill(victim, signal.SIGKILL)
-        return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # none hangs
+        return await asyncio.wait_for(asyncio.gather(*tasks), 300)  # none hangs
 
     outcomes = asyncio.run(load())
     assert "failed" in outcomes and "finished" in outcomes, outcomes
@@ -161,7 +161,7 @@ def test_killing_a_replica_fails_its_requests_and_the_service_goes_on(cluster):
     for i in range(4):
         assert client.completions.create(model="tiny", prompt=f"w{i + 3}", max_tokens=3).usage.completion_tokens == 3
     assert httpx.get(f"{cluster}/health").status_code == 200
-    wait_for(lambda: len({r.pid for r in reports()} - {victim}) == 2, 90, "Ray Serve to replace the replica")
+    wait_for(lambda: len({r.pid for r in reports()} - {victim}) == 2, 240, "Ray Serve to replace the replica")
 
 
 def test_autoscaling_adds_replicas_under_load(tiny_folder, cluster):
@@ -182,7 +182,7 @@ def test_autoscaling_adds_replicas_under_load(tiny_folder, cluster):
     long = SamplingParams(max_tokens=1800, ignore_eos=True)
     streams = [handle.generate.remote([5, 6, 7], long, f"load-{i}") for i in range(6)]
     try:
-        wait_for(lambda: running_replicas() == 2, 60, "a second replica")
+        wait_for(lambda: running_replicas() == 2, 240, "a second replica")
     finally:
         for s in streams:
             s.cancel()

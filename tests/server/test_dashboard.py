@@ -114,7 +114,7 @@ def test_the_dashboard_moves_in_a_real_browser_while_a_load_runs(tiny_url, tmp_p
         driver.quit()
 
 
-def _wait(condition, what: str, timeout: float = 30.0) -> None:
+def _wait(condition, what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

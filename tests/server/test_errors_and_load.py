@@ -137,7 +137,7 @@ def test_forty_streams_half_disconnecting_leave_nothing_behind(base_url, real_as
     events = asyncio.run(main())
     assert all(e == 3 for e in events[0::2]) and all(e > 3 for e in events[1::2])
     engine = real_async_engine.engine
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     after = metric_values(httpx.get(f"{base_url}/metrics").text)

@@ -36,7 +36,7 @@ def fuzz_url(tiny_engine, real_embedder, tmp_path_factory):
 def test_no_input_gets_a_server_error(fuzz_url, mode):
     # Schemathesis' own pytest plugin does not run under pytest 9, so each operation's case
     # strategy is driven through hypothesis directly.
-    schema = schemathesis.openapi.from_url(f"{fuzz_url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{fuzz_url}/openapi.json", timeout=60)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 10
     if mode is GenerationMode.NEGATIVE:  # only a body can be made invalid: the GET routes take no input

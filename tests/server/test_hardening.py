@@ -196,11 +196,11 @@ def test_a_departed_non_streaming_client_stops_its_work_also_behind_an_api_key(t
                 conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
                              b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
                              b"\r\n\r\n" + body)
-                deadline = time.monotonic() + 30  # wait until the request is running, then leave
+                deadline = time.monotonic() + 120  # wait until the request is running, then leave
                 while metric_values(httpx.get(f"{url}/metrics").text)["brisk:num_requests_running"] < 1:
                     assert time.monotonic() < deadline
                     time.sleep(0.01)
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 120
             key = 'brisk:request_success_total{finished_reason="abort"}'
             while (after := metric_values(httpx.get(f"{url}/metrics").text)).get(key, 0) == before.get(key, 0):
                 assert time.monotonic() < deadline, "the departed client's request was not aborted"
