@@ -63,7 +63,7 @@ def serve_tiny(folder: str, *flags: str, **popen) -> tuple[subprocess.Popen, str
         [sys.executable, "-m", "brisk.cli", "serve", "--model", folder, "--port", str(port), "--dtype", "float32",
          "--num-kv-blocks", "64", "--max-model-len", "256", *flags], **popen)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while True:
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
