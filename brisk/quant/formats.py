@@ -24,6 +24,7 @@ multiple of 32 with zero codes, which the kernels never multiply.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,6 +39,14 @@ NF4_VALUES = torch.tensor([
     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 ])
 _FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+@functools.cache
+def _nf4_values(device: torch.device) -> torch.Tensor:
+    """NF4_VALUES on `device`, copied once: a copy per matmul would break CUDA graph capture."""
+    return NF4_VALUES.to(device)
+
+
 GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 
@@ -68,12 +77,13 @@ class QuantizedTensor:
         codes = unpack_nibbles(self.data)[:, :cols].long()
         scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, :cols]
         if self.format == "nf4":
-            return NF4_VALUES.to(self.data.device)[codes] * scales
+            return _nf4_values(self.data.device)[codes] * scales
         mins = self.mins.repeat_interleave(self.group_size, dim=1)[:, :cols]
         return codes.float() * scales + mins
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows `index` (a permutation, a lookup) in the same format."""
+        index = index.to(self.data.device)
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         return replace(self, shape=(len(index), self.shape[1]), data=pick(self.data), scales=pick(self.scales),
                        mins=pick(self.mins))
@@ -135,7 +145,7 @@ def _nf4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
     scales = _nonzero(groups.abs().amax(dim=2))
     normalized = groups / scales[..., None]
     # nearest codebook entry: the codebook is sorted, so search between midpoints
-    midpoints = (NF4_VALUES[1:] + NF4_VALUES[:-1]) / 2
+    midpoints = ((NF4_VALUES[1:] + NF4_VALUES[:-1]) / 2).to(w.device)
     codes = torch.bucketize(normalized, midpoints)
     return QuantizedTensor("nf4", tuple(w.shape), pack_nibbles(_ungroup(codes, w.shape[1])), scales,
                            group_size=group_size)

@@ -4,6 +4,8 @@ no GPU is present; run with `pytest -m cuda` on a GPU machine."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -115,6 +117,7 @@ def test_gpu_defaults_bf16_and_a_cache_sized_from_gpu_memory(real_model_path, gp
     free_after, _ = torch.cuda.mem_get_info()
     assert total - free_after < 0.3 * total
     reference = hf_logits(gpu_hf, prompts[2])
-    ours = brisk_logits(engine, prompts[2])
+    ours = brisk_logits(engine, prompts[2]).float()
+    theirs = hf_logits(copy.deepcopy(gpu_hf).to(torch.bfloat16), prompts[2]).float()
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.9
-    assert (ours - reference).abs().mean().item() < 0.15
+    assert (ours - reference).abs().mean().item() < 1.25 * (theirs - reference).abs().mean().item()
