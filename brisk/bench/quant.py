@@ -44,6 +44,7 @@ CONFIGS: dict[str, dict] = {
     "kv-float16": {"kv_cache_dtype": "float16"},
     "kv-int8": {"kv_cache_dtype": "int8"},
     "gguf+a8+kv-int8": {"quantization": "gguf", "int8_activations": True, "kv_cache_dtype": "int8"},
+    "w8a8+kv-int8": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
 }
 
 

@@ -330,6 +330,7 @@ _FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5}
 
 # formats with an integer product for int8 activations (quant.h)
 INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "int4")
+QUANT_MATVEC_MAX_ROWS = 8  # quant_linear.c's MATVEC_MAX_ROWS: up to here a weight block is read once for all rows
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:

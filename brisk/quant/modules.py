@@ -51,12 +51,54 @@ class QuantizedWeight(nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, cols] @ W^T (+ bias) -> [T, rows], in x's dtype."""
+        if (self.int8_activations and self.format == "int8" and x.device.type == "cpu"
+                and x.shape[0] > cpu_kernels.QUANT_MATVEC_MAX_ROWS):
+            return self._integer_gemm(x)
         if cpu_kernels.quant_available(x):
             return cpu_kernels.quant_linear(x.float(), self.kernel_weight()).to(x.dtype)
         if gpu_kernels.quant_available(x, self.format):
             return gpu_kernels.quant_linear(x, self.qweight, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.qweight.dequantize().to(x.dtype), bias)
+
+
+    def _integer_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """More than 8 rows (prefill chunks, big decode batches) of int8 weights with int8
+        activations: each row of x rounded to int8 with its own scale, and one int8 x int8 ->
+        int32 product by oneDNN (`torch._int_mm`), whose kernels use AVX512-VNNI / AMX where the CPU
+        has them. Up to 8 rows, kernels/quant.h's matvec reads each weight block once for all rows,
+        scaling activations per block of 32 (finer; the integer GEMM needs one scale per row).
+
+        A row's scale is set by its largest value, and a few feature columns carry values far
+        above the rest: rounded with them, the others lose most of their bits. As in LLM.int8(),
+        columns holding any value above OUTLIER_THRESHOLD are taken out and multiplied in float.
+        Measured on the default model (4,096 tokens of text): perplexity +3.3% over int8 weights
+        alone with every column rounded, +0.85% with the outliers in float (27 columns per
+        product on average)."""
+        x32 = x.float()
+        outliers = (x32.abs() > OUTLIER_THRESHOLD).any(dim=0).nonzero().squeeze(1)
+        if len(outliers):
+            x_outliers = x32[:, outliers]
+            x32 = x32.index_fill(1, outliers, 0.0)
+        codes, row_scales = int8_rows(x32)
+        out = torch._int_mm(codes, self.codes.t()).float().mul_(row_scales).mul_(self.scales)
+        if len(outliers):
+            out.addmm_(x_outliers, self.codes[:, outliers].t().float().mul_(self.scales))
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype)
+
+
+OUTLIER_THRESHOLD = 6.0  # LLM.int8()'s: activations above it are rare and matter
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] float32 -> (codes int8 [m, k], scales [m, 1]), x ~ codes * scales: each row
+    rounded to the nearest of 255 levels spanning its own largest magnitude (all-zero rows get
+    scale 1)."""
+    scales = x.abs().amax(dim=1, keepdim=True) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(x / scales).to(torch.int8), scales
 
 
 class QuantizedLinear(QuantizedWeight):

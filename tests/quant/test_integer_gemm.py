@@ -1,0 +1,73 @@
+"""w8a8 past 8 rows (quant/modules.py): each activation row rounded to int8 with its own scale,
+times the int8 weights in oneDNN's integer GEMM, against the same arithmetic in float64 and
+against the float product within the rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from brisk.kernels import cpu as cpu_kernels
+from brisk.quant.formats import quantize
+from brisk.quant.modules import OUTLIER_THRESHOLD, QuantizedLinear, int8_rows, set_int8_activations
+
+
+def _layer(rows: int, cols: int, seed: int = 0) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    layer = QuantizedLinear(quantize(torch.randn(rows, cols, generator=g), "int8"), torch.randn(rows, generator=g))
+    set_int8_activations(nn.Sequential(layer))
+    assert layer.int8_activations
+    return layer
+
+
+def test_int8_rows_round_each_row_to_its_own_scale():
+    x = torch.randn(6, 70, generator=torch.Generator().manual_seed(1)) * torch.tensor([1, 100, 0, 1e-3, 5, 1])[:, None]
+    codes, scales = int8_rows(x)
+    assert codes.dtype == torch.int8 and scales.shape == (6, 1)
+    assert ((codes.float() * scales - x).abs() <= scales / 2 * (1 + 1e-6)).all()
+    assert scales[2].item() == 1.0 and not codes[2].any()  # an all-zero row
+    assert (codes.abs().amax(dim=1)[[0, 1, 3, 4, 5]] == 127).all()  # each row spans its own range
+
+
+@pytest.mark.parametrize("m", [9, 17, 70])
+def test_more_than_eight_rows_multiply_in_integers(m):
+    layer = _layer(37, 131)
+    x = torch.randn(m, 131, generator=torch.Generator().manual_seed(2)).clamp(-3, 3)  # no outliers
+    codes, scales = int8_rows(x)
+    weight = layer.qweight
+    exact = (codes.double() @ weight.data.double().T) * scales.double() * weight.scales.double() + layer.bias.double()
+    y = layer(x).double()
+    assert torch.allclose(y, exact, rtol=1e-6, atol=1e-6)
+    dense = weight.dequantize().double()
+    error = (y - (x.double() @ dense.T + layer.bias.double())).abs()
+    assert (error <= scales.double() / 2 * dense.abs().sum(dim=1) + 1e-5).all()
+    assert (error > 0).any()  # it does round: this is not the float path
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_outlier_columns_are_multiplied_in_float():
+    """Two columns far above the threshold (in one row each): they go through float, the rest
+    rounds to a scale set by its own values, so the product is as close as without them."""
+    layer = _layer(37, 131)
+    x = torch.randn(20, 131, generator=torch.Generator().manual_seed(4)).clamp(-3, 3)
+    x[3, 7], x[11, 100] = 40.0, -7.0
+    inliers = x.clone()
+    inliers[:, [7, 100]] = 0
+    codes, scales = int8_rows(inliers)
+    weight = layer.qweight
+    dense = weight.dequantize().double()
+    exact = ((codes.double() @ weight.data.double().T) * scales.double() * weight.scales.double()
+             + x[:, [7, 100]].double() @ dense[:, [7, 100]].T + layer.bias.double())
+    y = layer(x).double()
+    assert torch.allclose(y, exact, rtol=1e-6, atol=1e-5)
+    error = (y - (x.double() @ dense.T + layer.bias.double())).abs()
+    assert (error <= scales.double() / 2 * dense.abs().sum(dim=1) + 1e-5).all()
+    assert OUTLIER_THRESHOLD < 7.0
+
+
+@pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
+def test_up_to_eight_rows_keep_the_per_block_kernel():
+    layer = _layer(24, 576)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(layer(x), cpu_kernels.quant_linear(x, layer.kernel_weight()))
