@@ -20,6 +20,7 @@ from brisk.quant.formats import QuantizedTensor, quantize
 # keeps a GGUF file's own blocks.
 LOAD_TIME_METHODS = ("int8", "fp8", "int4", "nf4")
 METHODS = (*LOAD_TIME_METHODS, "gguf", "w8a8")  # w8a8: int8 weights, int8 activations
+OUTLIER_THRESHOLD = 6.0  # LLM.int8()'s: activations above it are rare, and they matter
 
 
 class QuantizedWeight(nn.Module):
@@ -61,7 +62,6 @@ class QuantizedWeight(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.qweight.dequantize().to(x.dtype), bias)
 
-
     def _integer_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """More than 8 rows (prefill chunks, big decode batches) of int8 weights with int8
         activations: each row of x rounded to int8 with its own scale, and one int8 x int8 ->
@@ -87,9 +87,6 @@ class QuantizedWeight(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype)
-
-
-OUTLIER_THRESHOLD = 6.0  # LLM.int8()'s: activations above it are rare and matter
 
 
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
