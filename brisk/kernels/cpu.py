@@ -46,6 +46,8 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "silu_mul": [_PTR] * 2 + [_I64] * 2,
+    "quantize_rows_int8": [_PTR, _I64, _I64, ctypes.c_float] + [_PTR] * 3,
+    "scale_int32": [_PTR, _I64, _I64] + [_PTR] * 4,
     "rope_write_kv": [_PTR] * 13 + [ctypes.c_float] + [_I64] * 3,
     "decode_layers": [_PTR] * 4,
     "quant_linear": [_PTR] * 3 + [_I64],
@@ -388,6 +390,31 @@ def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -
     out = torch.empty(x.shape[0], weight.rows)
     _library("quant_linear.c", march=march).quant_linear(ctypes.byref(weight.struct), x.data_ptr(), out.data_ptr(),
                                                          x.shape[0])
+    return out
+
+
+def quantize_rows_int8(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] float32 -> (codes int8 [m, k], scales [m, 1], outlier columns): quant/modules.py's
+    int8_rows in one C call (quant_linear.c)."""
+    x = x.contiguous()
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, 1)
+    outlier = torch.empty(k, dtype=torch.uint8)
+    lib = _library("quant_linear.c")
+    lib.quantize_rows_int8.restype = ctypes.c_int64
+    count = lib.quantize_rows_int8(x.data_ptr(), m, k, threshold, codes.data_ptr(), scales.data_ptr(),
+                                   outlier.data_ptr())
+    return codes, scales, outlier.nonzero().squeeze(1) if count else outlier.new_empty(0, dtype=torch.long)
+
+
+def scale_int32(acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """acc int32 [m, n] * row_scales [m, 1] * col_scales [n] (+ bias [n]) -> float32, in one pass."""
+    acc = acc.contiguous()
+    out = torch.empty(acc.shape)
+    _library("quant_linear.c").scale_int32(acc.data_ptr(), acc.shape[0], acc.shape[1], row_scales.data_ptr(),
+                                           col_scales.data_ptr(), _ptr(bias), out.data_ptr())
     return out
 
 

@@ -23,18 +23,21 @@ def _layer(rows: int, cols: int, seed: int = 0) -> QuantizedLinear:
 
 def test_int8_rows_round_each_row_to_its_own_scale():
     x = torch.randn(6, 70, generator=torch.Generator().manual_seed(1)) * torch.tensor([1, 100, 0, 1e-3, 5, 1])[:, None]
-    codes, scales = int8_rows(x)
-    assert codes.dtype == torch.int8 and scales.shape == (6, 1)
+    codes, scales, outliers = int8_rows(x, float("inf"))
+    assert codes.dtype == torch.int8 and scales.shape == (6, 1) and not len(outliers)
     assert ((codes.float() * scales - x).abs() <= scales / 2 * (1 + 1e-6)).all()
     assert scales[2].item() == 1.0 and not codes[2].any()  # an all-zero row
     assert (codes.abs().amax(dim=1)[[0, 1, 3, 4, 5]] == 127).all()  # each row spans its own range
 
 
 @pytest.mark.parametrize("m", [9, 17, 70])
-def test_more_than_eight_rows_multiply_in_integers(m):
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "torch"])
+def test_more_than_eight_rows_multiply_in_integers(m, in_c, monkeypatch):
+    if not in_c:
+        monkeypatch.setattr(cpu_kernels, "quant_available", lambda x: False)
     layer = _layer(37, 131)
     x = torch.randn(m, 131, generator=torch.Generator().manual_seed(2)).clamp(-3, 3)  # no outliers
-    codes, scales = int8_rows(x)
+    codes, scales, _ = int8_rows(x, OUTLIER_THRESHOLD)
     weight = layer.qweight
     exact = (codes.double() @ weight.data.double().T) * scales.double() * weight.scales.double() + layer.bias.double()
     y = layer(x).double()
@@ -52,9 +55,8 @@ def test_outlier_columns_are_multiplied_in_float():
     layer = _layer(37, 131)
     x = torch.randn(20, 131, generator=torch.Generator().manual_seed(4)).clamp(-3, 3)
     x[3, 7], x[11, 100] = 40.0, -7.0
-    inliers = x.clone()
-    inliers[:, [7, 100]] = 0
-    codes, scales = int8_rows(inliers)
+    codes, scales, outliers = int8_rows(x, OUTLIER_THRESHOLD)
+    assert outliers.tolist() == [7, 100] and not codes[:, [7, 100]].any()
     weight = layer.qweight
     dense = weight.dequantize().double()
     exact = ((codes.double() @ weight.data.double().T) * scales.double() * weight.scales.double()
@@ -64,6 +66,21 @@ def test_outlier_columns_are_multiplied_in_float():
     error = (y - (x.double() @ dense.T + layer.bias.double())).abs()
     assert (error <= scales.double() / 2 * dense.abs().sum(dim=1) + 1e-5).all()
     assert OUTLIER_THRESHOLD < 7.0
+
+
+@pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
+def test_the_c_rounding_and_scaling_equal_torch():
+    x = torch.randn(33, 300, generator=torch.Generator().manual_seed(5)) * 2
+    x[4, 10], x[20, 299], x[7] = 9.0, -50.0, 0.0
+    for threshold in (OUTLIER_THRESHOLD, float("inf")):
+        (codes, scales, outliers), expected = cpu_kernels.quantize_rows_int8(x, threshold), int8_rows(x, threshold)
+        assert torch.equal(codes, expected[0]) and torch.equal(outliers, expected[2])
+        assert torch.allclose(scales, expected[1], rtol=1e-6, atol=0)  # -ffast-math: amax * (1 / 127)
+    acc = torch.randint(-2**20, 2**20, (33, 50), dtype=torch.int32)
+    rows, cols, bias = torch.rand(33, 1), torch.rand(50), torch.randn(50)
+    for b in (bias, None):
+        expected = acc.double() * rows.double() * cols.double() + (0 if b is None else b.double())
+        assert torch.allclose(cpu_kernels.scale_int32(acc, rows, cols, b).double(), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
