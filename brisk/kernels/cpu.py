@@ -401,11 +401,9 @@ def quantize_rows_int8(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor,
     codes = torch.empty(m, k, dtype=torch.int8)
     scales = torch.empty(m, 1)
     outlier = torch.empty(k, dtype=torch.uint8)
-    lib = _library("quant_linear.c")
-    lib.quantize_rows_int8.restype = ctypes.c_int64
-    count = lib.quantize_rows_int8(x.data_ptr(), m, k, threshold, codes.data_ptr(), scales.data_ptr(),
-                                   outlier.data_ptr())
-    return codes, scales, outlier.nonzero().squeeze(1) if count else outlier.new_empty(0, dtype=torch.long)
+    _library("quant_linear.c").quantize_rows_int8(x.data_ptr(), m, k, threshold, codes.data_ptr(), scales.data_ptr(),
+                                                  outlier.data_ptr())
+    return codes, scales, outlier.nonzero().squeeze(1)
 
 
 def scale_int32(acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor,

@@ -29,15 +29,12 @@ void quant_linear(const struct weight *w, const float *x, float *y, int64_t m) {
  *
  * quantize_rows_int8: columns of x [m, k] holding any |value| > threshold are outliers, marked in
  * outlier [k] (their codes are 0: they are multiplied in float); each row is rounded to int8 with
- * inverse scale 127 / its largest remaining magnitude (scale 1 for a row with none). Returns the
- * outlier count. */
-int64_t quantize_rows_int8(const float *x, int64_t m, int64_t k, float threshold, int8_t *codes, float *scales,
+ * inverse scale 127 / its largest remaining magnitude (scale 1 for a row with none). */
+void quantize_rows_int8(const float *x, int64_t m, int64_t k, float threshold, int8_t *codes, float *scales,
                            uint8_t *outlier) {
-    int64_t count = 0;
     for (int64_t j = 0; j < k; j++) outlier[j] = 0;
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < k; j++) outlier[j] |= fabsf(x[i * k + j]) > threshold;
-    for (int64_t j = 0; j < k; j++) count += outlier[j];
     _Pragma("omp parallel for schedule(static)")
     for (int64_t i = 0; i < m; i++) {
         const float *row = x + i * k;
@@ -47,7 +44,6 @@ int64_t quantize_rows_int8(const float *x, int64_t m, int64_t k, float threshold
         scales[i] = amax > 0.0f ? amax / 127.0f : 1.0f;
         for (int64_t j = 0; j < k; j++) codes[i * k + j] = outlier[j] ? 0 : (int8_t)nearbyintf(row[j] * inverse);
     }
-    return count;
 }
 
 /* y [m, n] = acc [m, n] * row_scales[i] * col_scales[j] (+ bias[j]), in one pass. */
