@@ -52,6 +52,13 @@ DEFINE_TO_FLOATS(uint16_t, load_bf16)
 DEFINE_TO_FLOATS(uint16_t, load_f16)
 DEFINE_TO_FLOATS(int8_t, load_i8)
 
+/* Asks for a block's cache lines ahead of use. Blocks sit anywhere in the cache, and the hardware
+ * prefetchers stop at each 4 KiB page, so without this every block starts with a wait on memory:
+ * in a decode step the weights have just pushed the cache's K and V out of every level. */
+static inline void prefetch_block(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
+}
+
 #define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
     static inline void decode_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,        \
                                                  const CT *restrict v_cache,                              \
@@ -81,23 +88,26 @@ DEFINE_TO_FLOATS(int8_t, load_i8)
                         acc[g * HEAD_DIM + d] = 0.0f;                                                     \
                     }                                                                                     \
                 for (int64_t b = 0; b < num_blocks; b++) {                                                \
+                    if (b + 1 < num_blocks)                                                               \
+                        prefetch_block(k_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
                     const float *keys = AS_FLOATS(CT, LOAD_C, k_cache + (table[b] * num_kv_heads + h) * block_elems, \
                                                   block);                                                 \
                     const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
                     for (int64_t g = 0; g < group; g++) {                                                 \
-                        /* two partial sums over d: twice the FMA chains in flight */                     \
-                        float even[BLOCK_SIZE] = {0}, odd[BLOCK_SIZE] = {0};                              \
+                        /* four partial sums over d: enough FMA chains in flight to hide their latency */ \
+                        float part[4][BLOCK_SIZE] = {{0}};                                                \
                         const float *qg = query + g * HEAD_DIM;                                           \
-                        for (int64_t d = 0; d < HEAD_DIM; d += 2) {                                       \
-                            _Pragma("omp simd")                                                           \
-                            for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                    \
-                                even[t] += qg[d] * keys[d * BLOCK_SIZE + t];                              \
-                                odd[t] += qg[d + 1] * keys[(d + 1) * BLOCK_SIZE + t];                     \
+                        for (int64_t d = 0; d < HEAD_DIM; d += 4)                                         \
+                            for (int u = 0; u < 4; u++) {                                                 \
+                                _Pragma("omp simd")                                                       \
+                                for (int64_t t = 0; t < BLOCK_SIZE; t++)                                  \
+                                    part[u][t] += qg[d + u] * keys[(d + u) * BLOCK_SIZE + t];             \
                             }                                                                             \
-                        }                                                                                 \
                         float *row = scores + g * padded + b * BLOCK_SIZE;                                \
-                        for (int64_t t = 0; t < BLOCK_SIZE; t++)                                          \
-                            row[t] = SCALED ? (even[t] + odd[t]) * ks[t] : even[t] + odd[t];              \
+                        for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                        \
+                            const float sum = (part[0][t] + part[1][t]) + (part[2][t] + part[3][t]);      \
+                            row[t] = SCALED ? sum * ks[t] : sum;                                          \
+                        }                                                                                 \
                     }                                                                                     \
                 }                                                                                         \
                 const uint64_t ancestors = ancestor_masks ? (uint64_t)ancestor_masks[s] : ~(uint64_t)0;  \
@@ -116,6 +126,8 @@ DEFINE_TO_FLOATS(int8_t, load_i8)
                     for (int64_t t = 0; t < padded; t++) p[t] *= inv;                                     \
                 }                                                                                         \
                 for (int64_t b = 0; b < num_blocks; b++) { /* each value block read once for the group */ \
+                    if (b + 1 < num_blocks)                                                               \
+                        prefetch_block(v_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
                     const float *values = AS_FLOATS(CT, LOAD_C,                                           \
                                                     v_cache + (table[b] * num_kv_heads + h) * block_elems, block); \
                     const int64_t n = len - b * BLOCK_SIZE < BLOCK_SIZE ? len - b * BLOCK_SIZE : BLOCK_SIZE; \

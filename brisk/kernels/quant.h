@@ -154,7 +154,7 @@ static inline void dequant_q8_0(const struct weight *w, int64_t j, int64_t b, fl
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
     uint16_t d;
     memcpy(&d, block, 2);
-    const float s = load_f16(d);
+    const float s = load_f16_scalar(d);
     const int8_t *q = (const int8_t *)(block + 2);
     _Pragma("omp simd")
     for (int t = 0; t < QBLOCK; t++) out[t] = s * (float)q[t];
@@ -162,60 +162,134 @@ static inline void dequant_q8_0(const struct weight *w, int64_t j, int64_t b, fl
 
 /* ---- products ------------------------------------------------------------------------------ */
 
-/* ROWS dot products of activation rows with weight row j, each block dequantized once. LANES
- * independent accumulators per row keep the FMA chains short enough to hide their latency.
- * `xsum` (the per-block sums of x) is unused here: the portable path dequantizes fully. */
-#define DEFINE_QDOT_PORTABLE(NAME, FMT, HAS_MIN, ROWS, LANES)                                             \
+/* The products of WROWS weight rows j, j + 1, ... with ROWS activation rows: sums [WROWS][ROWS].
+ * Each block is dequantized once and multiplied into every activation row. The portable path
+ * dequantizes fully (`gsum`, the per-group sums of x, is unused); LANES independent accumulators
+ * per row keep the chains of adds short enough to hide their latency. */
+#define DEFINE_QDOT_PORTABLE(NAME, FMT, HAS_MIN, ROWS, WROWS)                                             \
     static inline void NAME(const struct weight *w, int64_t j, const float *restrict x,                   \
-                            const float *restrict xsum, float *restrict sums) {                           \
-        (void)xsum;                                                                                       \
+                            const float *restrict gsum, float *restrict sums) {                           \
+        (void)gsum;                                                                                       \
+        enum { LANES = 8 };                                                                               \
         const int64_t k = w->cols, full = k / QBLOCK;                                                     \
-        float acc[ROWS][LANES] = {{0}};                                                                   \
-        float wb[QBLOCK];                                                                                 \
-        for (int64_t b = 0; b < full; b++) {                                                              \
-            dequant_##FMT(w, j, b, wb);                                                                   \
-            for (int i = 0; i < ROWS; i++) {                                                              \
-                const float *xi = x + i * k + b * QBLOCK;                                                 \
-                for (int c = 0; c < QBLOCK; c += LANES) {                                                 \
-                    _Pragma("omp simd")                                                                   \
-                    for (int l = 0; l < LANES; l++) acc[i][l] += wb[c + l] * xi[c + l];                   \
+        for (int r = 0; r < WROWS; r++) {                                                                 \
+            float acc[ROWS][LANES] = {{0}};                                                               \
+            float wb[QBLOCK];                                                                             \
+            for (int64_t b = 0; b < full; b++) {                                                          \
+                dequant_##FMT(w, j + r, b, wb);                                                           \
+                for (int i = 0; i < ROWS; i++) {                                                          \
+                    const float *xi = x + i * k + b * QBLOCK;                                             \
+                    for (int c = 0; c < QBLOCK; c += LANES) {                                             \
+                        _Pragma("omp simd")                                                               \
+                        for (int l = 0; l < LANES; l++) acc[i][l] += wb[c + l] * xi[c + l];               \
+                    }                                                                                     \
                 }                                                                                         \
             }                                                                                             \
-        }                                                                                                 \
-        for (int i = 0; i < ROWS; i++) {                                                                  \
-            float s = 0.0f;                                                                               \
-            for (int l = 0; l < LANES; l++) s += acc[i][l];                                               \
-            sums[i] = s + qdot_tail_##FMT(w, j, x + i * k);                                               \
+            for (int i = 0; i < ROWS; i++) {                                                              \
+                float s = 0.0f;                                                                           \
+                for (int l = 0; l < LANES; l++) s += acc[i][l];                                           \
+                sums[r * ROWS + i] = s + qdot_tail_##FMT(w, j + r, x + i * k);                            \
+            }                                                                                             \
         }                                                                                                 \
     }
 
-#ifdef __AVX2__
-/* The same with the block kept in four registers as its codes (unscaled), and the block's scale
- * applied once per block per row: sum_t (d q_t + m) x_t = d (sum_t q_t x_t) + m xsum. */
-#define DEFINE_QDOT(NAME, FMT, HAS_MIN, ROWS, LANES)                                                      \
+/* Sums of x over each group's full blocks, gsum [m, groups]: a format with minimums adds
+ * sum_g min_g * gsum_g to a row's product once, instead of a product per block. */
+static inline void group_sums(const struct weight *w, const float *restrict x, int64_t m, float *restrict gsum) {
+    const int64_t k = w->cols, full = k / QBLOCK;
+    for (int64_t i = 0; i < m; i++) {
+        float *gi = gsum + i * w->groups;
+        for (int64_t g = 0; g < w->groups; g++) gi[g] = 0.0f;
+        for (int64_t b = 0; b < full; b++) {
+            float s = 0.0f;
+            _Pragma("omp simd reduction(+:s)")
+            for (int t = 0; t < QBLOCK; t++) s += x[i * k + b * QBLOCK + t];
+            gi[group_of_block(w, b)] += s;
+        }
+    }
+}
+
+#if defined(__AVX2__)
+/* The float products below hold a block of 32 codes in QVECS vectors of VLANES floats: two zmm
+ * registers with AVX-512, four ymm with AVX2. The wide path halves the instructions per block,
+ * and a 4-bit block's products are bound by instructions, not bytes (its 16 bytes are cheap to
+ * read; turning them into floats is not). */
+#if defined(__AVX512F__)
+typedef __m512 vfloat;
+#define VLANES 16
+#define QPAIR_MAX_ROWS 8 /* 2 x 8 accumulators + a pair's codes fit 32 zmm registers */
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_mul _mm512_mul_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_sum _mm512_reduce_add_ps
+static inline __m512 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 16; zeros after */
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+#else
+typedef __m256 vfloat;
+#define VLANES 8
+#define QPAIR_MAX_ROWS 2 /* a pair's 8 code vectors leave room for only 2 x 2 of 16 ymm */
+#define vf_zero _mm256_setzero_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_mul _mm256_mul_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_sum hsum
+static inline __m256 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 8; zeros after */
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes));
+}
+#endif
+#define QVECS (QBLOCK / VLANES)
+
+/* The same with each block kept in registers as its codes (unscaled), and the block's scale
+ * applied once per block per row: sum_t (d q_t + m) x_t = d (sum_t q_t x_t) + m sum_t x_t, the
+ * minimums' part added per group at the end (group_offsets). Two weight rows at a time share
+ * each load of x and give the core two independent chains of adds. */
+#define DEFINE_QDOT(NAME, FMT, HAS_MIN, ROWS, WROWS)                                                      \
     static inline void NAME(const struct weight *w, int64_t j, const float *restrict x,                   \
-                            const float *restrict xsum, float *restrict sums) {                           \
+                            const float *restrict gsum, float *restrict sums) {                           \
         const int64_t k = w->cols, full = k / QBLOCK;                                                     \
-        __m256 acc[ROWS];                                                                                 \
-        float offsets[ROWS];                                                                              \
-        for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps(), offsets[i] = 0.0f;                   \
+        vfloat acc[WROWS][ROWS];                                                                          \
+        for (int r = 0; r < WROWS; r++)                                                                   \
+            for (int i = 0; i < ROWS; i++) acc[r][i] = vf_zero();                                         \
         for (int64_t b = 0; b < full; b++) {                                                              \
-            __m256 q[4];                                                                                  \
-            float d, offset;                                                                              \
-            codes_##FMT(w, j, b, q, &d, &offset);                                                         \
-            const __m256 scale = _mm256_set1_ps(d);                                                       \
+            vfloat q[WROWS][QVECS], scale[WROWS];                                                         \
+            for (int r = 0; r < WROWS; r++) {                                                             \
+                float d, unused;                                                                          \
+                codes_##FMT(w, j + r, b, q[r], &d, &unused);                                              \
+                scale[r] = vf_set1(d);                                                                    \
+            }                                                                                             \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const float *xi = x + i * k + b * QBLOCK;                                                 \
-                __m256 p = _mm256_mul_ps(q[0], _mm256_loadu_ps(xi));                                      \
-                p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xi + 8), p);                                    \
-                p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xi + 16), p);                                   \
-                p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xi + 24), p);                                   \
-                acc[i] = _mm256_fmadd_ps(p, scale, acc[i]);                                               \
-                if (HAS_MIN) offsets[i] += offset * xsum[i * full + b];                                   \
+                vfloat xv[QVECS];                                                                         \
+                for (int v = 0; v < QVECS; v++) xv[v] = vf_load(xi + v * VLANES);                         \
+                for (int r = 0; r < WROWS; r++) {                                                         \
+                    vfloat p = vf_mul(q[r][0], xv[0]);                                                    \
+                    for (int v = 1; v < QVECS; v++) p = vf_fmadd(q[r][v], xv[v], p);                      \
+                    acc[r][i] = vf_fmadd(p, scale[r], acc[r][i]);                                         \
+                }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-        for (int i = 0; i < ROWS; i++) sums[i] = hsum(acc[i]) + offsets[i] + qdot_tail_##FMT(w, j, x + i * k); \
+        for (int r = 0; r < WROWS; r++)                                                                   \
+            for (int i = 0; i < ROWS; i++) {                                                              \
+                if (HAS_MIN) acc[r][i] = group_offsets(w, j + r, gsum + i * w->groups, acc[r][i]);        \
+                sums[r * ROWS + i] = vf_sum(acc[r][i]) + qdot_tail_##FMT(w, j + r, x + i * k);            \
+            }                                                                                             \
     }
+
+/* acc + the minimums' part of row j's product, sum_g min_g * gsum_g, in vector lanes. */
+static inline vfloat group_offsets(const struct weight *w, int64_t j, const float *restrict gsum, vfloat acc) {
+    const float *mins = w->mins + j * w->groups;
+    int64_t g = 0;
+    for (; g + VLANES <= w->groups; g += VLANES) acc = vf_fmadd(vf_load(mins + g), vf_load(gsum + g), acc);
+    if (g < w->groups) acc = vf_fmadd(vf_load_first(mins + g, w->groups - g), vf_load_first(gsum + g, w->groups - g), acc);
+    return acc;
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -224,11 +298,55 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 bytes_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-static inline __m256 sbytes_to_ps(const int8_t *q) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+/* e4m3 bytes -> the fp16 bit patterns of dequant_fp8, 16 at a time. */
+static inline __m256i fp8_halves(const uint8_t *codes) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
+    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8),
+                           _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7));
 }
 
+#if defined(__AVX512F__)
+/* One widening per block: the 16 bytes become 16 int32 lanes, each holding elements t (low
+ * nibble) and t + 16 (high nibble), so a mask and a shift give the block's two halves. */
+static inline void nibble_codes(const uint8_t *codes, __m512i out[2]) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    out[0] = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+    out[1] = _mm512_srli_epi32(v, 4);
+}
+
+static inline void codes_int4(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
+    __m512i c[2];
+    nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
+    q[0] = _mm512_cvtepi32_ps(c[0]);
+    q[1] = _mm512_cvtepi32_ps(c[1]);
+    *d = w->scales[g];
+    *m = w->mins[g];
+}
+
+/* NF4 codes -> codebook values: the 16-entry table is one register, so one permute per half. */
+static inline void codes_nf4(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    const __m512 table = _mm512_loadu_ps(NF4_VALUES);
+    __m512i c[2];
+    nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
+    q[0] = _mm512_permutexvar_ps(c[0], table);
+    q[1] = _mm512_permutexvar_ps(c[1], table);
+    *d = w->scales[j * groups_per_row(w) + group_of_block(w, b)];
+    *m = 0.0f;
+}
+
+static inline __m512 sbytes_to_ps(const int8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+
+static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    const uint8_t *codes = (const uint8_t *)w->data + j * w->cols + b * QBLOCK;
+    q[0] = _mm512_cvtph_ps(fp8_halves(codes));
+    q[1] = _mm512_cvtph_ps(fp8_halves(codes + 16));
+    *d = w->scales[j];
+    *m = 0.0f;
+}
+#else
 /* 16 bytes of nibbles -> their 32 codes (GGUF order) as 4 x 8 int32 lanes. The bytes go to both
  * 128-bit lanes and in-lane byte shuffles spread them: lane-crossing widenings (vpmovzxbd from a
  * register) ran the loop at half this speed on Zen 3. */
@@ -245,21 +363,17 @@ static inline void nibble_codes(const uint8_t *codes, __m256i out[4]) {
     out[3] = _mm256_shuffle_epi8(hi, second);
 }
 
-static inline void nibbles_ps(const uint8_t *codes, __m256 q[4]) {
-    __m256i c[4];
-    nibble_codes(codes, c);
-    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtepi32_ps(c[i]);
-}
-
-static inline void codes_int4(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+static inline void codes_int4(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
     const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
-    nibbles_ps((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), q);
+    __m256i c[4];
+    nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtepi32_ps(c[i]);
     *d = w->scales[g];
     *m = w->mins[g];
 }
 
 /* NF4 codes -> codebook values: a 16-entry lookup as two 8-lane permutes and a blend on bit 3. */
-static inline void codes_nf4(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+static inline void codes_nf4(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
     const __m256 lo = _mm256_loadu_ps(NF4_VALUES), hi = _mm256_loadu_ps(NF4_VALUES + 8);
     __m256i c[4];
     nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
@@ -270,37 +384,40 @@ static inline void codes_nf4(const struct weight *w, int64_t j, int64_t b, __m25
     *m = 0.0f;
 }
 
-static inline void codes_int8(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
-    const int8_t *codes = (const int8_t *)w->data + j * w->cols + b * QBLOCK;
-    for (int i = 0; i < 4; i++) q[i] = sbytes_to_ps(codes + 8 * i);
-    *d = w->scales[j];
-    *m = 0.0f;
+static inline __m256 sbytes_to_ps(const int8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
 
-static inline void codes_q8_0(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
-    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
-    uint16_t h;
-    memcpy(&h, block, 2);
-    for (int i = 0; i < 4; i++) q[i] = sbytes_to_ps((const int8_t *)block + 2 + 8 * i);
-    *d = load_f16(h);
-    *m = 0.0f;
-}
-
-/* e4m3 -> fp16 bits (see dequant_fp8), 16 at a time, then F16C's conversion. */
-static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, __m256 q[4], float *d, float *m) {
+static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
     const uint8_t *codes = (const uint8_t *)w->data + j * w->cols + b * QBLOCK;
     for (int i = 0; i < 2; i++) {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16 * i)));
-        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8),
-                                          _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7));
+        const __m256i h = fp8_halves(codes + 16 * i);
         q[2 * i] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
         q[2 * i + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     }
     *d = w->scales[j];
     *m = 0.0f;
 }
+#endif
+
+static inline void codes_int8(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    const int8_t *codes = (const int8_t *)w->data + j * w->cols + b * QBLOCK;
+    for (int i = 0; i < QVECS; i++) q[i] = sbytes_to_ps(codes + VLANES * i);
+    *d = w->scales[j];
+    *m = 0.0f;
+}
+
+static inline void codes_q8_0(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
+    uint16_t h;
+    memcpy(&h, block, 2);
+    for (int i = 0; i < QVECS; i++) q[i] = sbytes_to_ps((const int8_t *)block + 2 + VLANES * i);
+    *d = load_f16_scalar(h);
+    *m = 0.0f;
+}
 #else
 #define DEFINE_QDOT DEFINE_QDOT_PORTABLE
+#define QPAIR_MAX_ROWS 8
 #endif
 
 /* Row j of the weight dequantized into out [cols] (the pad of the last block dropped). */
@@ -308,11 +425,11 @@ static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, __m25
 /* A full block through the register reader the products use (codes, then d * code + m). */
 #define QROW_BLOCK(FMT, w, j, b, out)                                                                     \
     do {                                                                                                  \
-        __m256 q_[4];                                                                                     \
+        vfloat q_[QVECS];                                                                                 \
         float d_, m_;                                                                                     \
         codes_##FMT(w, j, b, q_, &d_, &m_);                                                               \
-        for (int i_ = 0; i_ < 4; i_++)                                                                    \
-            _mm256_storeu_ps((out) + 8 * i_, _mm256_fmadd_ps(q_[i_], _mm256_set1_ps(d_), _mm256_set1_ps(m_))); \
+        for (int i_ = 0; i_ < QVECS; i_++)                                                                \
+            vf_store((out) + VLANES * i_, vf_fmadd(q_[i_], vf_set1(d_), vf_set1(m_)));                    \
     } while (0)
 #else
 #define QROW_BLOCK(FMT, w, j, b, out) dequant_##FMT(w, j, b, out)
@@ -419,7 +536,7 @@ static inline codes32 icodes_q8_0(const struct weight *w, int64_t j, int64_t b, 
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
     uint16_t h;
     memcpy(&h, block, 2);
-    *d = load_f16(h);
+    *d = load_f16_scalar(h);
     *m = 0.0f;
     return load_codes(block + 2);
 }
@@ -486,36 +603,51 @@ static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, 
         return s;                                                                                         \
     }
 
+/* A tile of ROWS activation rows against weight rows j (and j + 1 when `pair`): a pair shares one
+ * product while its accumulators fit the registers (QPAIR_MAX_ROWS), else the rows go one by one. */
+#define QDOT_TILE(FMT, ROWS, w, j, pair, x, gsum, sums)                                                   \
+    do {                                                                                                  \
+        if ((pair) && ROWS <= QPAIR_MAX_ROWS) {                                                           \
+            qdot2_##FMT##_##ROWS(w, j, x, gsum, sums);                                                    \
+        } else {                                                                                          \
+            qdot_##FMT##_##ROWS(w, j, x, gsum, sums);                                                     \
+            if (pair) qdot_##FMT##_##ROWS(w, (j) + 1, x, gsum, (sums) + ROWS);                            \
+        }                                                                                                 \
+    } while (0)
+
 #define DEFINE_QFORMAT(FMT, HAS_MIN)                                                                      \
     DEFINE_QDOT_TAIL(FMT)                                                                                 \
-    DEFINE_QDOT(qdot_##FMT##_8, FMT, HAS_MIN, 8, 8)                                                       \
-    DEFINE_QDOT(qdot_##FMT##_4, FMT, HAS_MIN, 4, 8)                                                       \
-    DEFINE_QDOT(qdot_##FMT##_2, FMT, HAS_MIN, 2, 16)                                                      \
-    DEFINE_QDOT(qdot_##FMT##_1, FMT, HAS_MIN, 1, 32)                                                      \
+    DEFINE_QDOT(qdot_##FMT##_8, FMT, HAS_MIN, 8, 1)                                                       \
+    DEFINE_QDOT(qdot_##FMT##_4, FMT, HAS_MIN, 4, 1)                                                       \
+    DEFINE_QDOT(qdot_##FMT##_2, FMT, HAS_MIN, 2, 1)                                                       \
+    DEFINE_QDOT(qdot_##FMT##_1, FMT, HAS_MIN, 1, 1)                                                       \
+    DEFINE_QDOT(qdot2_##FMT##_8, FMT, HAS_MIN, 8, 2)                                                      \
+    DEFINE_QDOT(qdot2_##FMT##_4, FMT, HAS_MIN, 4, 2)                                                      \
+    DEFINE_QDOT(qdot2_##FMT##_2, FMT, HAS_MIN, 2, 2)                                                      \
+    DEFINE_QDOT(qdot2_##FMT##_1, FMT, HAS_MIN, 1, 2)                                                      \
     DEFINE_QROW(qrow_##FMT, FMT)                                                                          \
                                                                                                           \
-    /* y [m, rows] = x [m, cols] @ w^T for m <= 8 or so: the weight streamed once */                      \
+    /* y [m, rows] = x [m, cols] @ w^T for m <= 8 or so: the weight streamed once, two rows at a time */ \
     static inline void qmatvec_##FMT(const struct weight *w, const float *restrict x, float *restrict y,  \
                                      int64_t m) {                                                         \
-        const int64_t n = w->rows, k = w->cols, full = k / QBLOCK;                                        \
+        const int64_t n = w->rows, k = w->cols, groups = w->groups;                                       \
         const float *bias = (const float *)w->bias;                                                       \
-        float xsum[HAS_MIN ? m * full : 1]; /* per-block sums of x, for the formats with an offset */     \
-        for (int64_t i = 0; HAS_MIN && i < m * full; i++) {                                               \
-            float s = 0.0f;                                                                               \
-            for (int t = 0; t < QBLOCK; t++) s += x[(i / full) * k + (i % full) * QBLOCK + t];           \
-            xsum[i] = s;                                                                                  \
-        }                                                                                                 \
+        float gsum[HAS_MIN ? m * groups : 1];                                                             \
+        if (HAS_MIN) group_sums(w, x, m, gsum);                                                           \
         _Pragma("omp for schedule(static)")                                                               \
-        for (int64_t j = 0; j < n; j++) {                                                                 \
-            float sums[8];                                                                                \
+        for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {                                                    \
+            const int64_t j = 2 * jp, pair = j + 1 < n;                                                   \
+            float sums[2 * 8];                                                                            \
             for (int64_t i0 = 0; i0 < m;) {                                                               \
                 const int64_t left = m - i0, rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;    \
-                const float *xi = x + i0 * k, *si = xsum + (HAS_MIN ? i0 * full : 0);                     \
-                if (rows == 8) qdot_##FMT##_8(w, j, xi, si, sums);                                        \
-                else if (rows == 4) qdot_##FMT##_4(w, j, xi, si, sums);                                   \
-                else if (rows == 2) qdot_##FMT##_2(w, j, xi, si, sums);                                   \
-                else qdot_##FMT##_1(w, j, xi, si, sums);                                                  \
-                for (int64_t i = 0; i < rows; i++) y[(i0 + i) * n + j] = sums[i] + (bias ? bias[j] : 0.0f); \
+                const float *xi = x + i0 * k, *gi = gsum + (HAS_MIN ? i0 * groups : 0);                   \
+                if (rows == 8) QDOT_TILE(FMT, 8, w, j, pair, xi, gi, sums);                               \
+                else if (rows == 4) QDOT_TILE(FMT, 4, w, j, pair, xi, gi, sums);                          \
+                else if (rows == 2) QDOT_TILE(FMT, 2, w, j, pair, xi, gi, sums);                          \
+                else QDOT_TILE(FMT, 1, w, j, pair, xi, gi, sums);                                         \
+                for (int64_t r = 0; r <= pair; r++)                                                       \
+                    for (int64_t i = 0; i < rows; i++)                                                    \
+                        y[(i0 + i) * n + j + r] = sums[r * rows + i] + (bias ? bias[j + r] : 0.0f);       \
                 i0 += rows;                                                                               \
             }                                                                                             \
         }                                                                                                 \
