@@ -1,8 +1,9 @@
 /*
  * Decode attention over paged KV blocks, for CPUs.
  *
- * One query token per sequence. Each (sequence, kv head) pair is one task: its query heads are
- * scored against the keys block by block, straight from the cache (no gathered copy), then the
+ * One query token per sequence. Each (sequence, kv head) pair is one task, or a few when there are
+ * too few pairs to keep every thread busy (decode_attention_parts): its query heads are scored
+ * against the keys block by block, straight from the cache (no gathered copy), then the
  * softmax-weighted values are summed. K and V are read exactly once, which is the floor for
  * decode attention; torch's formulation gathered them into a copy and ran thousands of tiny
  * matmuls, and was ~5x slower at batch 64.
@@ -20,7 +21,8 @@
  * A row of a speculative candidate tree sees its context and its ancestors, not its siblings'
  * branches, which sit in the slots between: bit j of ancestor_masks[s] says whether row s sees
  * the key j positions before its own (bit 0, itself, always set; keys further back than 63 are
- * always seen). -1 (every bit) is a plain row. Both bodies here are orphaned `omp for` loops (see matvec.h): paged_attention.c wraps
+ * always seen). -1 (every bit) is a plain row. Both bodies here are orphaned `omp for` loops (see
+ * matvec.h): paged_attention.c wraps
  * each in its own parallel region, decode_layers.c runs them inside the step's one region.
  * BLOCK_SIZE and HEAD_DIM are compile-time constants: the files that include this are built per
  * model shape.
@@ -59,6 +61,25 @@ static inline void prefetch_block(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
 
+/* A task is one (sequence, kv head) pair's keys, or a part of them: with fewer pairs than a few
+ * per thread (one sequence has as many pairs as kv heads: 3 for SmolLM2, on 2 threads), each
+ * pair's blocks are split into `parts` and the parts' softmaxes merged after, so every thread has
+ * work (flash-decoding's split). A part is at least one block of the longest context. */
+static inline int64_t decode_attention_parts(int64_t num_seqs, int64_t num_kv_heads, int64_t max_blocks,
+                                             int64_t threads) {
+    const int64_t tasks = num_seqs * num_kv_heads, wanted = 4 * threads;
+    if (threads == 1 || tasks >= wanted || max_blocks <= 1) return 1;
+    int64_t parts = (wanted + tasks - 1) / tasks;
+    while ((tasks * parts) % threads) parts++; /* whole rounds of tasks: no thread waits on a last one */
+    return parts < max_blocks ? parts : max_blocks;
+}
+
+/* Floats of the scratch decode attention needs for its parts' results: per part and query head,
+ * the part's largest score, its sum of exponentials and its unnormalized output. */
+static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_heads, int64_t parts) {
+    return num_seqs * num_heads * parts * (HEAD_DIM + 2);
+}
+
 #define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
     static inline void decode_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,        \
                                                  const CT *restrict v_cache,                              \
@@ -69,85 +90,108 @@ static inline void prefetch_block(const void *p, int64_t bytes) {
                                                  const int64_t *restrict ancestor_masks, XT *restrict out,\
                                                  int64_t num_seqs, int64_t num_heads,                     \
                                                  int64_t num_kv_heads, int64_t max_blocks,                \
-                                                 float scale) {                                           \
+                                                 float scale, int64_t parts, float *restrict partials) {  \
         const int64_t group = num_heads / num_kv_heads;                                                   \
-        const int64_t block_elems = BLOCK_SIZE * HEAD_DIM;                                                \
-        _Pragma("omp for collapse(2) schedule(dynamic)")                                                  \
+        const int64_t block_elems = BLOCK_SIZE * HEAD_DIM, slot = HEAD_DIM + 2;                           \
+        _Pragma("omp for collapse(3) schedule(dynamic)")                                                  \
         for (int64_t s = 0; s < num_seqs; s++) {                                                          \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
-                const int64_t len = context_lens[s];                                                      \
-                const int64_t num_blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE;                           \
-                const int64_t padded = num_blocks * BLOCK_SIZE;                                           \
-                const int64_t *table = block_tables + s * max_blocks;                                     \
-                float *scores = malloc(sizeof(float) * group * (padded + 2 * HEAD_DIM));                  \
-                float *restrict query = scores + group * padded, *restrict acc = query + group * HEAD_DIM; \
-                float block[BLOCK_SIZE * HEAD_DIM]; /* a K or V block as floats, when CT is not float */  \
-                for (int64_t g = 0; g < group; g++)                                                       \
-                    for (int64_t d = 0; d < HEAD_DIM; d++) {                                              \
-                        query[g * HEAD_DIM + d] = LOAD_X(q[(s * num_heads + h * group + g) * HEAD_DIM + d]) * scale; \
-                        acc[g * HEAD_DIM + d] = 0.0f;                                                     \
-                    }                                                                                     \
-                for (int64_t b = 0; b < num_blocks; b++) {                                                \
-                    if (b + 1 < num_blocks)                                                               \
-                        prefetch_block(k_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
-                    const float *keys = AS_FLOATS(CT, LOAD_C, k_cache + (table[b] * num_kv_heads + h) * block_elems, \
-                                                  block);                                                 \
-                    const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
-                    for (int64_t g = 0; g < group; g++) {                                                 \
-                        /* four partial sums over d: enough FMA chains in flight to hide their latency */ \
-                        float part[4][BLOCK_SIZE] = {{0}};                                                \
-                        const float *qg = query + g * HEAD_DIM;                                           \
-                        for (int64_t d = 0; d < HEAD_DIM; d += 4)                                         \
-                            for (int u = 0; u < 4; u++) {                                                 \
-                                _Pragma("omp simd")                                                       \
-                                for (int64_t t = 0; t < BLOCK_SIZE; t++)                                  \
-                                    part[u][t] += qg[d + u] * keys[(d + u) * BLOCK_SIZE + t];             \
+                for (int64_t part = 0; part < parts; part++) {                                            \
+                    const int64_t len = context_lens[s];                                                  \
+                    const int64_t num_blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE;                       \
+                    const int64_t first = part * num_blocks / parts, last = (part + 1) * num_blocks / parts; \
+                    const int64_t start = first * BLOCK_SIZE, end = last * BLOCK_SIZE < len ? last * BLOCK_SIZE : len; \
+                    const int64_t padded = (last - first) * BLOCK_SIZE;                                   \
+                    const int64_t *table = block_tables + s * max_blocks;                                 \
+                    float *results = partials + ((s * num_kv_heads + h) * parts + part) * group * slot;   \
+                    float *scores = malloc(sizeof(float) * group * (padded + HEAD_DIM) + 1);              \
+                    float *restrict query = scores + group * padded;                                      \
+                    float block[BLOCK_SIZE * HEAD_DIM]; /* a K or V block as floats, when CT is not float */ \
+                    for (int64_t g = 0; g < group; g++)                                                   \
+                        for (int64_t d = 0; d < HEAD_DIM; d++)                                            \
+                            query[g * HEAD_DIM + d] = LOAD_X(q[(s * num_heads + h * group + g) * HEAD_DIM + d]) * scale; \
+                    for (int64_t b = first; b < last; b++) {                                              \
+                        if (b + 1 < last)                                                                 \
+                            prefetch_block(k_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
+                        const float *keys = AS_FLOATS(CT, LOAD_C, k_cache + (table[b] * num_kv_heads + h) * block_elems, \
+                                                      block);                                             \
+                        const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                        for (int64_t g = 0; g < group; g++) {                                             \
+                            /* four partial sums over d: enough FMA chains in flight to hide their latency */ \
+                            float sums[4][BLOCK_SIZE] = {{0}};                                            \
+                            const float *qg = query + g * HEAD_DIM;                                       \
+                            for (int64_t d = 0; d < HEAD_DIM; d += 4)                                     \
+                                for (int u = 0; u < 4; u++) {                                             \
+                                    _Pragma("omp simd")                                                   \
+                                    for (int64_t t = 0; t < BLOCK_SIZE; t++)                              \
+                                        sums[u][t] += qg[d + u] * keys[(d + u) * BLOCK_SIZE + t];         \
+                                }                                                                         \
+                            float *row = scores + g * padded + (b - first) * BLOCK_SIZE;                  \
+                            for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                    \
+                                const float sum = (sums[0][t] + sums[1][t]) + (sums[2][t] + sums[3][t]);  \
+                                row[t] = SCALED ? sum * ks[t] : sum;                                      \
                             }                                                                             \
-                        float *row = scores + g * padded + b * BLOCK_SIZE;                                \
-                        for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                        \
-                            const float sum = (part[0][t] + part[1][t]) + (part[2][t] + part[3][t]);      \
-                            row[t] = SCALED ? sum * ks[t] : sum;                                          \
                         }                                                                                 \
                     }                                                                                     \
-                }                                                                                         \
-                const uint64_t ancestors = ancestor_masks ? (uint64_t)ancestor_masks[s] : ~(uint64_t)0;  \
-                for (int64_t g = 0; g < group; g++) {                                                     \
-                    float *p = scores + g * padded, top = -FLT_MAX, sum = 0.0f;                           \
-                    if (~ancestors) /* a tree row: hide the keys of other branches */                     \
-                        for (int64_t j = 1; j < 64 && j < len; j++)                                       \
-                            if (!((ancestors >> j) & 1)) p[len - 1 - j] = -FLT_MAX;                       \
-                    for (int64_t t = 0; t < len; t++) top = p[t] > top ? p[t] : top;                      \
-                    _Pragma("omp simd reduction(+:sum)")                                                  \
-                    for (int64_t t = 0; t < padded; t++) {                                                \
-                        p[t] = t < len ? expf(p[t] - top) : 0.0f;                                         \
-                        sum += p[t];                                                                      \
-                    }                                                                                     \
-                    const float inv = 1.0f / sum;                                                         \
-                    for (int64_t t = 0; t < padded; t++) p[t] *= inv;                                     \
-                }                                                                                         \
-                for (int64_t b = 0; b < num_blocks; b++) { /* each value block read once for the group */ \
-                    if (b + 1 < num_blocks)                                                               \
-                        prefetch_block(v_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
-                    const float *values = AS_FLOATS(CT, LOAD_C,                                           \
-                                                    v_cache + (table[b] * num_kv_heads + h) * block_elems, block); \
-                    const int64_t n = len - b * BLOCK_SIZE < BLOCK_SIZE ? len - b * BLOCK_SIZE : BLOCK_SIZE; \
-                    const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                    const uint64_t ancestors = ancestor_masks ? (uint64_t)ancestor_masks[s] : ~(uint64_t)0; \
                     for (int64_t g = 0; g < group; g++) {                                                 \
-                        const float *p = scores + g * padded + b * BLOCK_SIZE;                            \
-                        float a[HEAD_DIM];                                                                \
-                        for (int64_t d = 0; d < HEAD_DIM; d++) a[d] = acc[g * HEAD_DIM + d];              \
-                        for (int64_t t = 0; t < n; t++) {                                                 \
-                            const float pt = SCALED ? p[t] * vs[t] : p[t];                                \
-                            _Pragma("omp simd")                                                           \
-                            for (int64_t d = 0; d < HEAD_DIM; d++) a[d] += pt * values[t * HEAD_DIM + d]; \
+                        float *p = scores + g * padded, top = -FLT_MAX, sum = 0.0f;                       \
+                        if (~ancestors) /* a tree row: hide the keys of other branches */                 \
+                            for (int64_t j = 1; j < 64 && j < len; j++)                                   \
+                                if (!((ancestors >> j) & 1) && len - 1 - j >= start && len - 1 - j < end) \
+                                    p[len - 1 - j - start] = -FLT_MAX;                                    \
+                        for (int64_t t = 0; t < end - start; t++) top = p[t] > top ? p[t] : top;          \
+                        _Pragma("omp simd reduction(+:sum)")                                              \
+                        for (int64_t t = 0; t < padded; t++) {                                            \
+                            p[t] = t < end - start ? expf(p[t] - top) : 0.0f;                             \
+                            sum += p[t];                                                                  \
                         }                                                                                 \
-                        for (int64_t d = 0; d < HEAD_DIM; d++) acc[g * HEAD_DIM + d] = a[d];              \
+                        /* top stays -FLT_MAX in an empty part, or one whose every key is hidden: its     \
+                         * weight in the merge, exp(-FLT_MAX - the row's top), is 0 */                    \
+                        results[g * slot] = top;                                                          \
+                        results[g * slot + 1] = sum;                                                      \
+                        for (int64_t d = 0; d < HEAD_DIM; d++) results[g * slot + 2 + d] = 0.0f;         \
                     }                                                                                     \
+                    for (int64_t b = first; b < last; b++) { /* each value block read once for the group */ \
+                        if (b + 1 < last)                                                                 \
+                            prefetch_block(v_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
+                        const float *values = AS_FLOATS(CT, LOAD_C,                                       \
+                                                        v_cache + (table[b] * num_kv_heads + h) * block_elems, block); \
+                        const int64_t n = end - b * BLOCK_SIZE < BLOCK_SIZE ? end - b * BLOCK_SIZE : BLOCK_SIZE; \
+                        const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                        for (int64_t g = 0; g < group; g++) {                                             \
+                            const float *p = scores + g * padded + (b - first) * BLOCK_SIZE;              \
+                            float *acc = results + g * slot + 2, a[HEAD_DIM];                             \
+                            for (int64_t d = 0; d < HEAD_DIM; d++) a[d] = acc[d];                         \
+                            for (int64_t t = 0; t < n; t++) {                                             \
+                                const float pt = SCALED ? p[t] * vs[t] : p[t];                            \
+                                _Pragma("omp simd")                                                       \
+                                for (int64_t d = 0; d < HEAD_DIM; d++) a[d] += pt * values[t * HEAD_DIM + d]; \
+                            }                                                                             \
+                            for (int64_t d = 0; d < HEAD_DIM; d++) acc[d] = a[d];                         \
+                        }                                                                                 \
+                    }                                                                                     \
+                    free(scores);                                                                         \
                 }                                                                                         \
-                for (int64_t g = 0; g < group; g++)                                                       \
-                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
-                        out[(s * num_heads + h * group + g) * HEAD_DIM + d] = STORE_X(acc[g * HEAD_DIM + d]); \
-                free(scores);                                                                             \
+            }                                                                                             \
+        }                                                                                                 \
+        /* merge the parts: each part's sums rescaled to the largest score of all */                      \
+        _Pragma("omp for collapse(2) schedule(static)")                                                   \
+        for (int64_t s = 0; s < num_seqs; s++) {                                                          \
+            for (int64_t head = 0; head < num_heads; head++) {                                            \
+                const int64_t h = head / group, g = head % group;                                         \
+                const float *first = partials + (s * num_kv_heads + h) * parts * group * slot + g * slot; \
+                float top = -FLT_MAX, total = 0.0f, o[HEAD_DIM] = {0};                                    \
+                for (int64_t part = 0; part < parts; part++)                                              \
+                    top = first[part * group * slot] > top ? first[part * group * slot] : top;            \
+                for (int64_t part = 0; part < parts; part++) {                                            \
+                    const float *r = first + part * group * slot;                                         \
+                    const float w = expf(r[0] - top);                                                     \
+                    total += w * r[1];                                                                    \
+                    for (int64_t d = 0; d < HEAD_DIM; d++) o[d] += w * r[2 + d];                          \
+                }                                                                                         \
+                const float inv = 1.0f / total;                                                           \
+                for (int64_t d = 0; d < HEAD_DIM; d++) out[(s * num_heads + head) * HEAD_DIM + d] = STORE_X(o[d] * inv); \
             }                                                                                             \
         }                                                                                                 \
     }

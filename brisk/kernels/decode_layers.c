@@ -107,6 +107,8 @@ static inline int64_t now_ns(void) {
         float *qkv = malloc(sizeof(float) * m * qkv_size), *q = malloc(sizeof(float) * m * q_size);       \
         float *attended = malloc(sizeof(float) * m * q_size);                                             \
         float *gate_up = malloc(sizeof(float) * m * 2 * inter), *act = malloc(sizeof(float) * m * inter); \
+        const int64_t parts = decode_attention_parts(m, model->num_kv_heads, batch->max_blocks, omp_get_max_threads()); \
+        float *partials = malloc(sizeof(float) * decode_attention_scratch(m, model->num_heads, parts));   \
         _Pragma("omp parallel")                                                                           \
         {                                                                                                 \
             int64_t mark = timings ? now_ns() : 0;                                                        \
@@ -127,7 +129,8 @@ static inline int64_t now_ns(void) {
                                           layer->v_scales, batch->block_tables,                           \
                                           batch->context_lens, batch->ancestor_masks, attended, m,        \
                                           model->num_heads,                                               \
-                                          model->num_kv_heads, batch->max_blocks, model->scale);          \
+                                          model->num_kv_heads, batch->max_blocks, model->scale, parts,    \
+                                          partials);                                                      \
                 LAP(PHASE_ATTENTION);                                                                     \
                 project_##WS(&layer->o, attended, x, m);                                              \
                 LAP(PHASE_MATMUL);                                                                        \
@@ -149,6 +152,7 @@ static inline int64_t now_ns(void) {
         free(attended);                                                                                   \
         free(gate_up);                                                                                    \
         free(act);                                                                                        \
+        free(partials);                                                                                   \
     }
 
 DEFINE_MODEL_OPS(f32, float, load_f32)

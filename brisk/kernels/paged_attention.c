@@ -4,6 +4,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -120,10 +121,13 @@
                                             const int64_t *ancestor_masks, XT *out, int64_t num_seqs,     \
                                             int64_t num_heads,                                            \
                                             int64_t num_kv_heads, int64_t max_blocks, float scale) {      \
+        const int64_t parts = decode_attention_parts(num_seqs, num_kv_heads, max_blocks, omp_get_max_threads()); \
+        float *partials = malloc(sizeof(float) * decode_attention_scratch(num_seqs, num_heads, parts));   \
         _Pragma("omp parallel")                                                                           \
         decode_attention_##XS##_##CS(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, \
                                      ancestor_masks, out, num_seqs, num_heads, num_kv_heads, max_blocks,  \
-                                     scale);                                                              \
+                                     scale, parts, partials);                                             \
+        free(partials);                                                                                   \
     }                                                                                                     \
     void rope_write_kv_##XS##_##CS(const XT *qkv, const int64_t *positions, const float *cos_table,       \
                                    const float *sin_table, XT *q_out, CT *k_cache, CT *v_cache,           \

@@ -65,6 +65,30 @@ def test_decode_kernel_matches_torch(monkeypatch, dtype, kind, heads, kv_heads, 
     assert (ours.float() - reference).abs().max().item() < _tolerance(dtype, kind)
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's (and so the kernels' OpenMP) thread count for a test, then restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("length", [1, 16, 17, 77, 300])
+def test_one_sequence_split_across_threads_matches_torch(monkeypatch, threads, num_threads, length):
+    """One sequence has fewer (sequence, kv head) tasks than threads want, so its keys are split
+    into parts whose softmaxes are merged after (attention.h): the merge must give the same."""
+    threads(num_threads)
+    cache = _cache("float32", 40, 3, 16, 64)
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:(length + 15) // 16].reshape(1, -1)
+    q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(2))
+    meta = AttentionMetadata(None, None, num_decodes=1, decode_block_tables=table,
+                             decode_context_lens=torch.tensor([length]))
+    ours = _attend(attention._decode_attention, q, cache, meta, 0.125)
+    _torch_only(monkeypatch)
+    assert (ours - _attend(attention._decode_attention, q, cache, meta, 0.125)).abs().max().item() < 2e-6
+
+
 def _ancestor_mask(row_slot: int, visible_slots: list[int]) -> int:
     """The int64 of bits (row_slot - slot) over the visible slots within 63 of the row."""
     bits = sum(1 << (row_slot - slot) for slot in visible_slots if row_slot - slot < 64)
@@ -101,6 +125,27 @@ def test_tree_rows_see_their_context_and_ancestors_only(monkeypatch, c_kernel):
             kv = h // (heads // kv_heads)
             weights = torch.softmax(keys[seen, kv] @ q[r, h] * dim ** -0.5, dim=0)
             assert torch.allclose(ours[r, h], weights @ values[seen, kv], atol=2e-6), (r, h)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_a_tree_row_whose_hidden_keys_fill_a_whole_part(threads, num_threads):
+    """A lone tree row at slot 56 seeing slots 0-31 and itself: split into parts (2 kv heads, one
+    row), some part holds only hidden keys and must add nothing to the merged softmax."""
+    threads(num_threads)
+    kv_heads, block_size, dim, num_blocks = 2, 8, 16, 8
+    cache = _cache("float32", num_blocks, kv_heads, block_size, dim)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    values = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    seen = list(range(32)) + [56]
+    meta = AttentionMetadata(None, None, num_decodes=1, decode_block_tables=torch.arange(num_blocks).reshape(1, -1),
+                             decode_context_lens=torch.tensor([57]),
+                             decode_ancestor_masks=torch.tensor([_ancestor_mask(56, seen)], dtype=torch.long))
+    q = torch.randn(1, 4, dim, generator=g)
+    ours = _attend(attention._decode_attention, q, cache, meta, dim ** -0.5)
+    for h in range(4):
+        weights = torch.softmax(keys[seen, h // 2] @ q[0, h] * dim ** -0.5, dim=0)
+        assert torch.allclose(ours[0, h], weights @ values[seen, h // 2], atol=2e-6), h
 
 
 @pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
