@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from brisk.quant.formats import GROUP_SIZES, QuantizedTensor
+from brisk.quant.formats import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
 from brisk.quant.kv_cache import KVCacheLayer
 
 log = logging.getLogger(__name__)
@@ -365,11 +365,13 @@ class KernelWeight:
             raise ValueError(f"{weight.format} weights multiply float activations only")
         if weight.data.device.type != "cpu":
             raise ValueError("the C kernels read weights in CPU memory")
-        scales = weight.scales
+        scales, mins = weight.scales, weight.mins
         if weight.format == "fp8":
             scales = scales * 256.0  # quant.h converts e4m3 through fp16, which yields the value / 2^8
-        tensors = [weight.data.contiguous(), None if scales is None else scales.float().contiguous(), weight.mins,
-                   None if bias is None else bias.detach().float().contiguous()]
+        # per-row scales in f32, a grouped format's scales and minimums in f16 (quant.h's table)
+        scale_dtype = torch.float16 if weight.format in GROUPED_FORMATS else torch.float32
+        scales, mins = (None if t is None else t.to(scale_dtype).contiguous() for t in (scales, mins))
+        tensors = [weight.data.contiguous(), scales, mins, None if bias is None else bias.detach().float().contiguous()]
         data, scales, mins, bias = tensors
         rows, cols, group = *weight.shape, weight.group_size
         if group not in GROUP_SIZES:  # the kernels find a block's group by a shift

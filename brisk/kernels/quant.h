@@ -11,17 +11,17 @@
  * Layouts, for a weight of `rows` x `cols` (row-major; `cols` padded up to a multiple of 32 in
  * the packed codes, the pad codes zero and never multiplied):
  *
- *   WEIGHT_INT8   data int8 [rows, cols]                  scales [rows]          w = s * q
- *   WEIGHT_FP8    data e4m3 bytes [rows, cols]            scales [rows]          w = s * fp8(q)
- *   WEIGHT_INT4   data [rows, cols32 / 2] nibbles         scales, mins [rows, groups]
+ *   WEIGHT_INT8   data int8 [rows, cols]                  scales f32 [rows]      w = s * q
+ *   WEIGHT_FP8    data e4m3 bytes [rows, cols]            scales f32 [rows]      w = s * fp8(q)
+ *   WEIGHT_INT4   data [rows, cols32 / 2] nibbles         scales, mins f16 [rows, groups]
  *                                                                               w = s * q + min
- *   WEIGHT_NF4    data as INT4                            scales [rows, groups]  w = s * NF4[q]
+ *   WEIGHT_NF4    data as INT4                            scales f16 [rows, groups]  w = s * NF4[q]
  *   WEIGHT_Q8_0   GGUF blocks {f16 d; int8 q[32]}                                w = d * q
  *
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
  * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns. A GGUF file's
  * Q4_0 and Q4_1 blocks arrive here as INT4 with groups of 32 (quant/formats.py repacks them at
- * load, bit for bit: the same codes, the f16 scales widened to f32), so one 4-bit reader serves
+ * load, bit for bit: the same codes and f16 scales), so one 4-bit reader serves
  * the int4 and gguf modes.
  *
  * Two loops use the blocks. `qmatvec` is the decode path: one weight row at a time, each block
@@ -58,7 +58,7 @@ enum weight_format {
 struct weight {
     const void *data;
     const void *bias;                   /* [rows]: the model's dtype when dense, float32 otherwise; or NULL */
-    const float *scales, *mins;         /* see the table above; NULL where a format has none */
+    const void *scales, *mins;          /* f32 or f16, see the table above; NULL where a format has none */
     int64_t rows, cols, format;
     int64_t quantize_activations;       /* products round activations to int8 (see below) */
     /* The shape of the codes, derived by the caller so no loop divides: blocks of 32 per row
@@ -95,10 +95,15 @@ static const float NF4_VALUES[16] = {
 static inline int64_t groups_per_row(const struct weight *w) { return w->groups; }
 static inline int64_t blocks_per_row(const struct weight *w) { return w->blocks; }
 static inline int64_t group_of_block(const struct weight *w, int64_t b) { return b >> w->group_shift; }
+static inline float row_scale(const struct weight *w, int64_t j) { return ((const float *)w->scales)[j]; }
+static inline float group_scale(const struct weight *w, int64_t g) {
+    return load_f16_scalar(((const uint16_t *)w->scales)[g]);
+}
+static inline float group_min(const struct weight *w, int64_t g) { return load_f16_scalar(((const uint16_t *)w->mins)[g]); }
 
 static inline void dequant_int8(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
     const int8_t *q = (const int8_t *)w->data + j * w->cols + b * QBLOCK;
-    const float s = w->scales[j];
+    const float s = row_scale(w, j);
     const int64_t n = w->cols - b * QBLOCK < QBLOCK ? w->cols - b * QBLOCK : QBLOCK;
     if (n == QBLOCK) {
         _Pragma("omp simd")
@@ -112,7 +117,7 @@ static inline void dequant_int8(const struct weight *w, int64_t j, int64_t b, fl
  * 2^-8 (normal and subnormal alike; 0x7F/0xFF, NaN, are never stored). The 2^8 is in the scale. */
 static inline void dequant_fp8(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
     const uint8_t *q = (const uint8_t *)w->data + j * w->cols + b * QBLOCK;
-    const float s = w->scales[j];
+    const float s = row_scale(w, j);
     const int64_t n = w->cols - b * QBLOCK < QBLOCK ? w->cols - b * QBLOCK : QBLOCK;
     uint16_t h[QBLOCK];
     _Pragma("omp simd")
@@ -138,12 +143,12 @@ static inline void unpack_nibbles(const uint8_t *restrict q, float scale, float 
 static inline void dequant_int4(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
     const uint8_t *q = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
     const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
-    unpack_nibbles(q, w->scales[g], w->mins[g], out);
+    unpack_nibbles(q, group_scale(w, g), group_min(w, g), out);
 }
 
 static inline void dequant_nf4(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
     const uint8_t *q = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
-    const float s = w->scales[j * groups_per_row(w) + group_of_block(w, b)];
+    const float s = group_scale(w, j * groups_per_row(w) + group_of_block(w, b));
     for (int t = 0; t < 16; t++) {
         out[t] = s * NF4_VALUES[q[t] & 0x0F];
         out[t + 16] = s * NF4_VALUES[q[t] >> 4];
@@ -214,7 +219,7 @@ static inline void group_sums(const struct weight *w, const float *restrict x, i
  * registers with AVX-512, four ymm with AVX2. The wide path halves the instructions per block,
  * and a 4-bit block's products are bound by instructions, not bytes (its 16 bytes are cheap to
  * read; turning them into floats is not). */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 typedef __m512 vfloat;
 #define VLANES 16
 #define QPAIR_MAX_ROWS 8 /* 2 x 8 accumulators + a pair's codes fit 32 zmm registers */
@@ -225,6 +230,10 @@ typedef __m512 vfloat;
 #define vf_mul _mm512_mul_ps
 #define vf_fmadd _mm512_fmadd_ps
 #define vf_sum _mm512_reduce_add_ps
+static inline __m512 vf_load_halves(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512 vf_load_halves_first(const uint16_t *p, int64_t n) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p));
+}
 static inline __m512 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 16; zeros after */
     return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
 }
@@ -239,6 +248,12 @@ typedef __m256 vfloat;
 #define vf_mul _mm256_mul_ps
 #define vf_fmadd _mm256_fmadd_ps
 #define vf_sum hsum
+static inline __m256 vf_load_halves(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 vf_load_halves_first(const uint16_t *p, int64_t n) {
+    uint16_t rest[8] = {0};
+    for (int64_t i = 0; i < n; i++) rest[i] = p[i];
+    return vf_load_halves(rest);
+}
 static inline __m256 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 8; zeros after */
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes));
@@ -257,12 +272,15 @@ static inline __m256 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 
         vfloat acc[WROWS][ROWS];                                                                          \
         for (int r = 0; r < WROWS; r++)                                                                   \
             for (int i = 0; i < ROWS; i++) acc[r][i] = vf_zero();                                         \
+        float rs[WROWS][GROUPED_##FMT ? w->groups + VLANES : 1];                                         \
+        for (int r = 0; GROUPED_##FMT && r < WROWS; r++)                                                  \
+            halves_to_floats_n((const uint16_t *)w->scales + (j + r) * w->groups, w->groups, rs[r]);       \
         for (int64_t b = 0; b < full; b++) {                                                              \
             vfloat q[WROWS][QVECS], scale[WROWS];                                                         \
             for (int r = 0; r < WROWS; r++) {                                                             \
                 float d, unused;                                                                          \
                 codes_##FMT(w, j + r, b, q[r], &d, &unused);                                              \
-                scale[r] = vf_set1(d);                                                                    \
+                scale[r] = vf_set1(GROUPED_##FMT ? rs[r][group_of_block(w, b)] : d);                      \
             }                                                                                             \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const float *xi = x + i * k + b * QBLOCK;                                                 \
@@ -282,12 +300,29 @@ static inline __m256 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 
             }                                                                                             \
     }
 
+/* Whether a format keeps f16 scales per group (GROUPED_FORMATS in quant/formats.py). DEFINE_QDOT
+ * converts such a row's scales to floats once, VLANES at a time, before its blocks: converting one
+ * per block (a load, a conversion and a broadcast) made the product slower than f32 scales, whose
+ * broadcast folds into the FMA's memory operand. */
+#define GROUPED_int4 1
+#define GROUPED_nf4 1
+#define GROUPED_int8 0
+#define GROUPED_fp8 0
+#define GROUPED_q8_0 0
+
+/* n halves -> floats, VLANES at a time (dst has room for n rounded up to VLANES) */
+static inline void halves_to_floats_n(const uint16_t *restrict src, int64_t n, float *restrict dst) {
+    int64_t i = 0;
+    for (; i + VLANES <= n; i += VLANES) vf_store(dst + i, vf_load_halves(src + i));
+    if (i < n) vf_store(dst + i, vf_load_halves_first(src + i, n - i));
+}
+
 /* acc + the minimums' part of row j's product, sum_g min_g * gsum_g, in vector lanes. */
 static inline vfloat group_offsets(const struct weight *w, int64_t j, const float *restrict gsum, vfloat acc) {
-    const float *mins = w->mins + j * w->groups;
+    const uint16_t *mins = (const uint16_t *)w->mins + j * w->groups;
     int64_t g = 0;
-    for (; g + VLANES <= w->groups; g += VLANES) acc = vf_fmadd(vf_load(mins + g), vf_load(gsum + g), acc);
-    if (g < w->groups) acc = vf_fmadd(vf_load_first(mins + g, w->groups - g), vf_load_first(gsum + g, w->groups - g), acc);
+    for (; g + VLANES <= w->groups; g += VLANES) acc = vf_fmadd(vf_load_halves(mins + g), vf_load(gsum + g), acc);
+    if (g < w->groups) acc = vf_fmadd(vf_load_halves_first(mins + g, w->groups - g), vf_load_first(gsum + g, w->groups - g), acc);
     return acc;
 }
 
@@ -305,7 +340,7 @@ static inline __m256i fp8_halves(const uint8_t *codes) {
                            _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7));
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 /* One widening per block: the 16 bytes become 16 int32 lanes, each holding elements t (low
  * nibble) and t + 16 (high nibble), so a mask and a shift give the block's two halves. */
 static inline void nibble_codes(const uint8_t *codes, __m512i out[2]) {
@@ -320,8 +355,8 @@ static inline void codes_int4(const struct weight *w, int64_t j, int64_t b, vflo
     nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
     q[0] = _mm512_cvtepi32_ps(c[0]);
     q[1] = _mm512_cvtepi32_ps(c[1]);
-    *d = w->scales[g];
-    *m = w->mins[g];
+    *d = group_scale(w, g);
+    *m = group_min(w, g);
 }
 
 /* NF4 codes -> codebook values: the 16-entry table is one register, so one permute per half. */
@@ -331,7 +366,7 @@ static inline void codes_nf4(const struct weight *w, int64_t j, int64_t b, vfloa
     nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
     q[0] = _mm512_permutexvar_ps(c[0], table);
     q[1] = _mm512_permutexvar_ps(c[1], table);
-    *d = w->scales[j * groups_per_row(w) + group_of_block(w, b)];
+    *d = group_scale(w, j * groups_per_row(w) + group_of_block(w, b));
     *m = 0.0f;
 }
 
@@ -343,7 +378,7 @@ static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, vfloa
     const uint8_t *codes = (const uint8_t *)w->data + j * w->cols + b * QBLOCK;
     q[0] = _mm512_cvtph_ps(fp8_halves(codes));
     q[1] = _mm512_cvtph_ps(fp8_halves(codes + 16));
-    *d = w->scales[j];
+    *d = row_scale(w, j);
     *m = 0.0f;
 }
 #else
@@ -368,8 +403,8 @@ static inline void codes_int4(const struct weight *w, int64_t j, int64_t b, vflo
     __m256i c[4];
     nibble_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2), c);
     for (int i = 0; i < 4; i++) q[i] = _mm256_cvtepi32_ps(c[i]);
-    *d = w->scales[g];
-    *m = w->mins[g];
+    *d = group_scale(w, g);
+    *m = group_min(w, g);
 }
 
 /* NF4 codes -> codebook values: a 16-entry lookup as two 8-lane permutes and a blend on bit 3. */
@@ -380,7 +415,7 @@ static inline void codes_nf4(const struct weight *w, int64_t j, int64_t b, vfloa
     for (int i = 0; i < 4; i++)
         q[i] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, c[i]), _mm256_permutevar8x32_ps(hi, c[i]),
                                 _mm256_castsi256_ps(_mm256_slli_epi32(c[i], 28)));
-    *d = w->scales[j * groups_per_row(w) + group_of_block(w, b)];
+    *d = group_scale(w, j * groups_per_row(w) + group_of_block(w, b));
     *m = 0.0f;
 }
 
@@ -395,7 +430,7 @@ static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, vfloa
         q[2 * i] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
         q[2 * i + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     }
-    *d = w->scales[j];
+    *d = row_scale(w, j);
     *m = 0.0f;
 }
 #endif
@@ -403,7 +438,7 @@ static inline void codes_fp8(const struct weight *w, int64_t j, int64_t b, vfloa
 static inline void codes_int8(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
     const int8_t *codes = (const int8_t *)w->data + j * w->cols + b * QBLOCK;
     for (int i = 0; i < QVECS; i++) q[i] = sbytes_to_ps(codes + VLANES * i);
-    *d = w->scales[j];
+    *d = row_scale(w, j);
     *m = 0.0f;
 }
 
@@ -527,7 +562,7 @@ static inline float idot32(codes32 a, const int8_t *x) {
 #endif
 
 static inline codes32 icodes_int8(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
-    *d = w->scales[j];
+    *d = row_scale(w, j);
     *m = 0.0f;
     return load_codes((const int8_t *)w->data + j * w->cols + b * QBLOCK);
 }
@@ -543,8 +578,8 @@ static inline codes32 icodes_q8_0(const struct weight *w, int64_t j, int64_t b, 
 
 static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
     const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
-    *d = w->scales[g];
-    *m = w->mins[g];
+    *d = group_scale(w, g);
+    *m = group_min(w, g);
     return unpack_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2));
 }
 

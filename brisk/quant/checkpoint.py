@@ -101,6 +101,8 @@ def load_weights(files: list[Path], dtype: torch.dtype, device: torch.device
                                      f"not one of {GROUP_SIZES}")
                 data, scales, mins = (f.get_tensor(f"{name}.{part}") if f"{name}.{part}" in stored else None
                                       for part in _PARTS)
+                if layout["format"] in GROUPED_FORMATS:  # brisk before 2026-11-23 wrote these in f32
+                    scales, mins = (None if t is None else t.half() for t in (scales, mins))
                 yield name, QuantizedTensor(layout["format"], tuple(layout["shape"]), data, scales, mins,
                                             layout["group_size"])
 

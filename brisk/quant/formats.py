@@ -10,12 +10,15 @@ fallback where the kernels don't run (no compiler, GPUs).
 |--------|-----------:|----------------------------------------------------------------------|
 | int8   | 8 bits     | symmetric codes, one fp32 scale per output channel (row)             |
 | fp8    | 8 bits     | e4m3 values, one fp32 scale per row                                  |
-| int4   | 4 bits     | codes 0..15 per group of 32/64/128 columns, fp32 scale + fp32 minimum |
-| nf4    | 4 bits     | bitsandbytes' normal-float codebook, one fp32 absmax per group        |
+| int4   | 4 bits     | codes 0..15 per group of 32/64/128 columns, fp16 scale + fp16 minimum |
+| nf4    | 4 bits     | bitsandbytes' normal-float codebook, one fp16 absmax per group        |
 | q8_0   | 8.5 bits   | GGUF blocks of 32, as in the file: f16 scale + 32 int8               |
 
 A GGUF file's Q4_0 and Q4_1 matrices load as int4 with groups of 32 (`from_gguf_blocks`): the
-same nibbles, the f16 scale and minimum (Q4_0: -8 x scale) widened to f32, so nothing is rounded.
+same nibbles, the same f16 scale and minimum (Q4_0: -8 x scale, also exact in f16), so nothing is
+rounded. The grouped formats keep their scales in f16, as GGUF does, because a decode step reads
+them with every block: in f32 they were a third of a 4-bit weight's bytes (8 of 24 per 32
+weights), in f16 a fifth (4 of 20).
 
 4-bit codes are packed two per byte in GGUF's order within each block of 32 columns: byte t
 holds column t in its low nibble and column t + 16 in its high one. Columns are padded up to a
@@ -57,8 +60,8 @@ class QuantizedTensor:
     format: str
     shape: tuple[int, int]
     data: torch.Tensor  # [rows, bytes per row]: int8 codes (int8), uint8 otherwise
-    scales: torch.Tensor | None = None  # float32 [rows] or [rows, groups]
-    mins: torch.Tensor | None = None  # float32 [rows, groups]: int4's zero points, as the value of code 0
+    scales: torch.Tensor | None = None  # float32 [rows] (int8, fp8), float16 [rows, groups] (int4, nf4)
+    mins: torch.Tensor | None = None  # float16 [rows, groups]: int4's zero points, as the value of code 0
     group_size: int = BLOCK
 
     @property
@@ -75,10 +78,10 @@ class QuantizedTensor:
             values = self.data.float() if self.format == "int8" else self.data.view(torch.float8_e4m3fn).float()
             return values * self.scales[:, None]
         codes = unpack_nibbles(self.data)[:, :cols].long()
-        scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, :cols]
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, :cols]
         if self.format == "nf4":
             return _nf4_values(self.data.device)[codes] * scales
-        mins = self.mins.repeat_interleave(self.group_size, dim=1)[:, :cols]
+        mins = self.mins.float().repeat_interleave(self.group_size, dim=1)[:, :cols]
         return codes.float() * scales + mins
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
@@ -131,19 +134,20 @@ def _int4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
     """Asymmetric: each group's [min, max] spread over the 16 codes, w = scale * code + min. The
     zero point is kept as a float (GGUF Q4_1's choice) rather than rounded to a code: an integer
     zero point moves the grid off a group's own ends, which re-rounds every weight of a model that
-    was 4-bit already (measured: 8% weight error instead of 0 on the default model at group 32)."""
+    was 4-bit already (measured: 8% weight error instead of 0 on the default model at group 32).
+    The scale and minimum are rounded to f16 first and the codes chosen against the rounded ones."""
     groups = _groups(w, group_size)
     low, high = groups.amin(dim=2), groups.amax(dim=2)
-    scales = _nonzero((high - low) / 15.0)
-    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
-    return QuantizedTensor("int4", tuple(w.shape), pack_nibbles(_ungroup(codes, w.shape[1])), scales,
-                           low.contiguous(), group_size)
+    scales, low = _nonzero(_half_of(((high - low) / 15.0))), _half_of(low).contiguous()
+    codes = torch.round((groups - low.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
+    return QuantizedTensor("int4", tuple(w.shape), pack_nibbles(_ungroup(codes, w.shape[1])), scales, low,
+                           group_size)
 
 
 def _nf4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
     groups = _groups(w, group_size)
-    scales = _nonzero(groups.abs().amax(dim=2))
-    normalized = groups / scales[..., None]
+    scales = _nonzero(_half_of(groups.abs().amax(dim=2)))
+    normalized = groups / scales.float()[..., None]
     # nearest codebook entry: the codebook is sorted, so search between midpoints
     midpoints = ((NF4_VALUES[1:] + NF4_VALUES[:-1]) / 2).to(w.device)
     codes = torch.bucketize(normalized, midpoints)
@@ -155,8 +159,17 @@ _QUANTIZERS = {"int8": _int8, "fp8": _fp8, "int4": _int4, "nf4": _nf4}
 
 
 def _nonzero(scales: torch.Tensor) -> torch.Tensor:
-    """All-zero rows or groups get scale 1 (their codes are zero either way)."""
-    return torch.where(scales > 0, scales, torch.ones_like(scales)).float().contiguous()
+    """All-zero rows or groups get scale 1 (their codes are zero either way), in scales' dtype."""
+    return torch.where(scales > 0, scales, torch.ones_like(scales)).contiguous()
+
+
+def _half_of(values: torch.Tensor) -> torch.Tensor:
+    """A grouped format's scales or minimums in f16, which holds up to 65504."""
+    halves = values.half()
+    if not torch.isfinite(halves).all():
+        raise ValueError(f"int4 and nf4 keep scales in float16, whose largest value is 65504; this weight "
+                         f"reaches {values.abs().max().item():.4g}")
+    return halves
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -188,8 +201,8 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 scalar at byte `start` of every block, as a float32 column."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    """The fp16 scalar at byte `start` of every block, as a float16 column."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -199,9 +212,9 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 # [n_blocks, block bytes] -> [n_blocks, 32] float32, for the GGUF block formats.
 _GGUF_BLOCKS = {
-    "q8_0": lambda b: _half(b, 0) * b[:, 2:].contiguous().view(torch.int8).float(),
-    "q4_0": lambda b: _half(b, 0) * (_nibbles(b[:, 2:]) - 8.0),
-    "q4_1": lambda b: _half(b, 0) * _nibbles(b[:, 4:]) + _half(b, 2),
+    "q8_0": lambda b: _half(b, 0).float() * b[:, 2:].contiguous().view(torch.int8).float(),
+    "q4_0": lambda b: _half(b, 0).float() * (_nibbles(b[:, 2:]) - 8.0),
+    "q4_1": lambda b: _half(b, 0).float() * _nibbles(b[:, 4:]) + _half(b, 2).float(),
 }
 
 
@@ -209,8 +222,8 @@ def from_gguf_blocks(kind: str, shape: tuple[int, int], blocks: torch.Tensor) ->
     """A GGUF matrix's blocks (q8_0, q4_0 or q4_1; [rows, bytes per row]) as a QuantizedTensor
     whose values are the file's exactly. Q8_0 stays as stored. Q4_0 and Q4_1 are repacked into
     int4 groups of 32 (llama.cpp repacks Q4_0 at load as well, into interleaved rows): the nibbles
-    are already in int4's order, so the kernels need one 4-bit reader, not three. It costs memory:
-    24 bytes per 32 weights (f32 scale and minimum) where Q4_1 has 20 and Q4_0 18."""
+    are already in int4's order, so the kernels need one 4-bit reader, not three. Q4_1 keeps its
+    20 bytes per 32 weights; Q4_0 takes 20 where it had 18 (its minimum is stored)."""
     if kind == "q8_0":
         return QuantizedTensor(kind, shape, blocks)
     rows = shape[0]
