@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from brisk import LLM
 from brisk.cli import main
@@ -86,6 +88,22 @@ def test_every_format_and_architecture_round_trips(tmp_path, architecture, metho
     before = load_model(open_checkpoint(source), torch.float32, torch.device("cpu"), 16, quantization=method)
     after = load_model(open_checkpoint(out), torch.float32, torch.device("cpu"), 16)
     _same_weights(before, after)
+
+
+def test_a_folder_with_f32_group_scales_loads_as_f16(tmp_path):
+    """brisk wrote int4's scales and minimums in f32 before they moved to f16: such a folder loads
+    with them rounded to f16, which is what quantizing gives now (it rounds them before the codes)."""
+    source = build_tiny_checkpoint(str(tmp_path / "source"), "llama")
+    out = str(tmp_path / "out")
+    assert main(["quantize", source, "--to", "int4", "--out", out]) == 0
+    path = os.path.join(out, "model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    widened = {name: t.float() if name.endswith((".scales", ".mins")) else t for name, t in tensors.items()}
+    assert any(t.dtype == torch.float16 for t in tensors.values())
+    save_file(widened, path, metadata=metadata)
+    before = load_model(open_checkpoint(source), torch.float32, torch.device("cpu"), 16, quantization="int4")
+    _same_weights(before, load_model(open_checkpoint(out), torch.float32, torch.device("cpu"), 16))
 
 
 def test_quantize_refuses_a_folder_in_use_and_foreign_configs(tmp_path, capsys):
