@@ -103,7 +103,10 @@ def test_a_folder_with_f32_group_scales_loads_as_f16(tmp_path):
     assert any(t.dtype == torch.float16 for t in tensors.values())
     save_file(widened, path, metadata=metadata)
     before = load_model(open_checkpoint(source), torch.float32, torch.device("cpu"), 16, quantization="int4")
-    _same_weights(before, load_model(open_checkpoint(out), torch.float32, torch.device("cpu"), 16))
+    after = load_model(open_checkpoint(out), torch.float32, torch.device("cpu"), 16)
+    _same_weights(before, after)
+    quantized = [w for _, w in after.hf_weights() if not isinstance(w, torch.Tensor)]
+    assert quantized and all(w.scales.dtype == w.mins.dtype == torch.float16 for w in quantized)
 
 
 def test_quantize_refuses_a_folder_in_use_and_foreign_configs(tmp_path, capsys):
