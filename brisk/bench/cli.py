@@ -144,7 +144,8 @@ def add_bench_parser(sub) -> None:
                     help="configurations to run, in order, the first the baseline (names: brisk/bench/quant.py's "
                          "CONFIGS, e.g. float32 int8 int4 gguf kv-int8); default: all")
     qb.add_argument("--decode-len", type=int, default=128, help="tokens of the single-stream run")
-    qb.add_argument("--repeats", type=int, default=2, help="single-stream runs per configuration; the best counts")
+    qb.add_argument("--repeats", type=int, default=5,
+                    help="rounds of single-stream runs, each configuration once per round in turn; the best counts")
     qb.add_argument("--num-prompts", type=int, default=64, help="prompts of the offline run (0: skip it)")
     qb.add_argument("--min-prompt-len", type=int, default=20)
     qb.add_argument("--max-prompt-len", type=int, default=500)

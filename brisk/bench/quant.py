@@ -6,15 +6,23 @@ weight GB/s that implies, the offline throughput workload (`brisk bench throughp
 all at once), and perplexity over the first N tokens of Pride and Prejudice. llama.cpp
 (`pip install 'brisk[llama]'`) gets the single-stream row: its Python binding decodes one
 sequence at a time, so it has no offline batch row here.
+
+Single-stream decode is the number the low-bit targets are ratios of, and on a shared 2-core
+machine one run of a configuration can be 30% off the next. So every configuration (and
+llama.cpp) stays loaded, with a KV cache just big enough, and they take turns: `--repeats`
+rounds of one decode each, the best per configuration counting. A slow spell then costs every
+row alike instead of whichever ran during it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -75,36 +83,57 @@ def _num(value, fmt: str) -> str:
 
 
 def measure(label: str, config: EngineConfig, prompts: list[list[int]], args, text_ids: list[int] | None) -> Row:
+    """A configuration's weight bytes, offline throughput and perplexity (decode: see decode_rounds)."""
     llm = LLM.from_config(config)
     try:
         run_brisk(llm, prompts[:2], 4)  # warm-up: kernels built, first allocations made
-        decode = max(single_stream_decode(llm, prompts[0][:32], args.decode_len) for _ in range(args.repeats))
         throughput = run_brisk(llm, prompts, args.output_len).tokens_per_second if args.num_prompts else None
         ppl = perplexity(llm, text_ids, 1024, 768).perplexity if text_ids else None
-        return Row(label, weight_bytes(llm) / 1e6, decode, throughput, ppl)
+        return Row(label, weight_bytes(llm) / 1e6, None, throughput, ppl)
     finally:
         del llm
         gc.collect()
 
 
-def llama_cpp_row(model_path: str, prompt: list[int], args) -> Row | None:
+def decode_rounds(configs: dict[str, EngineConfig], prompt: list[int], model_path: str | None, args) -> dict[str, float]:
+    """Best single-stream decode tok/s per configuration (and "llama.cpp" for a GGUF model_path,
+    when installed), over args.repeats rounds in which each decodes once, in turn."""
+    tokens = len(prompt) + args.decode_len
+    decoders: dict[str, Callable[[], float]] = {}
+    for label, config in configs.items():
+        small = dataclasses.replace(config, max_model_len=tokens, kv_cache_memory_gib=None,
+                                    num_kv_blocks=-(-tokens // config.block_size) + 1)
+        llm = LLM.from_config(small)
+        single_stream_decode(llm, prompt, 4)  # warm-up
+        decoders[label] = functools.partial(single_stream_decode, llm, prompt, args.decode_len)
+    llama = _llama_cpp_decoder(model_path, prompt, args.decode_len) if model_path else None
+    if llama is not None:
+        decoders["llama.cpp"] = llama
+    best = dict.fromkeys(decoders, 0.0)
+    for _ in range(args.repeats):
+        for label, decode in decoders.items():
+            best[label] = max(best[label], decode())
+    return best
+
+
+def _llama_cpp_decoder(model_path: str, prompt: list[int], decode_len: int) -> Callable[[], float] | None:
     try:
         from llama_cpp import Llama
     except ImportError:
         print("llama.cpp: skipped (install the extra: pip install 'brisk[llama]')")
         return None
     llm = Llama(model_path, n_threads=torch.get_num_threads(), n_ctx=2048, n_batch=512, verbose=False)
-    best = 0.0
-    for _ in range(args.repeats):
+
+    def decode() -> float:
         first = None
         for i, _token in enumerate(llm.generate(prompt, temp=0.0, reset=True)):  # never stops at EOS by itself
             if i == 0:
                 first = time.perf_counter()
-            if i + 1 == args.decode_len:
+            if i + 1 == decode_len:
                 break
-        best = max(best, (args.decode_len - 1) / (time.perf_counter() - first))
-    # llama.cpp reads the file's tensors as stored: its size stands in for the bytes per step
-    return Row("llama.cpp (same GGUF)", os.path.getsize(model_path) / 1e6, best)
+        return (decode_len - 1) / (time.perf_counter() - first)
+
+    return decode
 
 
 def main(args) -> None:
@@ -129,19 +158,23 @@ def main(args) -> None:
             print(f"skipped {skipped}: they run a GGUF file's own blocks")
         labels = [label for label in labels if label not in skipped]
     print(f"model: {model_path}, threads: {torch.get_num_threads()}, dtype {args.dtype}")
-    print(f"single stream: {args.decode_len} tokens after a 32-token prompt, best of {args.repeats}; offline: "
+    print(f"single stream: {args.decode_len} tokens after a 32-token prompt, best of {args.repeats} rounds taken in "
+          f"turn by every row; offline: "
           f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} "
           f"out each; perplexity: first {len(text_ids or [])} tokens, windows of 1024 every 768")
 
+    configs = {label: dataclasses.replace(base_config, **{**ROW_DEFAULTS, **CONFIGS[label]}) for label in labels}
     rows = []
-    for label in labels:
-        config = dataclasses.replace(base_config, **{**ROW_DEFAULTS, **CONFIGS[label]})
+    for label, config in configs.items():
         rows.append(measure(label, config, prompts, args, text_ids))
         print(f"  {label}: done", flush=True)
-    if checkpoint.format == "gguf" and not args.no_llama_cpp:
-        row = llama_cpp_row(model_path, prompts[0][:32], args)
-        if row is not None:
-            rows.append(row)
+    llama_path = model_path if checkpoint.format == "gguf" and not args.no_llama_cpp else None
+    decode = decode_rounds(configs, prompts[0][:32], llama_path, args)
+    print(f"  single stream: {args.repeats} rounds done", flush=True)
+    for row in rows:
+        row.decode = decode[row.label]
+    if "llama.cpp" in decode:  # llama.cpp reads the file's tensors as stored: its size stands in for the bytes
+        rows.append(Row("llama.cpp (same GGUF)", os.path.getsize(model_path) / 1e6, decode["llama.cpp"]))
 
     base = rows[0]
     print("\n| configuration | weights MB | decode tok/s (vs first row) | weight GB/s | offline tok/s | perplexity |")
