@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import tokenizers
 import torch
 
+from brisk.kernels.memory import move_to_huge_pages
 from brisk.model.gguf_file import GGUFCheckpoint
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.spec import ModelSpec
@@ -89,6 +90,8 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
             quantize_model(model, quantization, group_size)
         if int8_activations:
             set_int8_activations(model)
+    if device.type == "cpu":
+        move_to_huge_pages(model)
     return model.eval().requires_grad_(False)
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from brisk.kernels.memory import huge_page_zeros
+
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 _FLOAT_KINDS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,12 +54,17 @@ class KVCacheLayer:
         if kind not in _FLOAT_KINDS and kind != "int8":
             raise ValueError(f"unknown KV cache kind {kind!r}: choose one of {', '.join(KV_CACHE_DTYPES[1:])}")
         dtype = _FLOAT_KINDS.get(kind, torch.int8)
-        k = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
-        v = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            if torch.device(device).type == "cpu":  # decode attention streams it: huge pages (kernels/memory.py)
+                return huge_page_zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        k = zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype)
+        v = zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype)
         if kind in _FLOAT_KINDS:
             return cls(kind, k, v)
-        scales = lambda: torch.zeros(num_blocks, num_kv_heads, block_size, device=device)  # noqa: E731
-        return cls(kind, k, v, scales(), scales())
+        return cls(kind, k, v, zeros(num_blocks, num_kv_heads, block_size), zeros(num_blocks, num_kv_heads, block_size))
 
     @property
     def scaled(self) -> bool:

@@ -53,8 +53,8 @@ def speculate(real_llm, real_model_path, request):
     engine = real_llm.engine
 
     def on(method: str) -> None:
-        model = {"ngram": None, "medusa": request.getfixturevalue("medusa_heads"),
-                 "student": request.getfixturevalue("distilled_student")}.get(method, method)
+        fixtures = {"ngram": None, "medusa": "medusa_heads", "student": "distilled_student"}
+        model = request.getfixturevalue(fixtures[method]) if fixtures.get(method) else fixtures.get(method, method)
         spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8, model=model)
         if method == "ngram":
             drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
