@@ -30,6 +30,7 @@ from brisk.args import engine_config_from_args
 from brisk.bench.perplexity import DEFAULT_TEXT, perplexity
 from brisk.bench.throughput import make_prompts, run_brisk, single_stream_decode, weight_bytes
 from brisk.config import ConfigError, EngineConfig
+from brisk.kernels import cpu as cpu_kernels
 from brisk.llm import LLM
 from brisk.model.loader import open_checkpoint
 
@@ -63,6 +64,7 @@ class Row:
     decode: float | None = None  # single-stream tok/s
     throughput: float | None = None  # offline output tok/s
     perplexity: float | None = None
+    decode_perplexity: float | None = None  # rows that round activations: see _decode_path_perplexity
 
     def cells(self, base: Row) -> list[str]:
         def ratio(value, reference):
@@ -73,13 +75,17 @@ class Row:
             _num(self.decode, "{:.1f}") + ratio(self.decode, base.decode),
             _num(self.decode and self.weight_mb and self.decode * self.weight_mb / 1e3, "{:.1f}"),
             _num(self.throughput, "{:.1f}") + ratio(self.throughput, base.throughput),
-            _num(self.perplexity, "{:.3f}") + (f" ({(self.perplexity / base.perplexity - 1) * 100:+.2f}%)"
-                                               if self.perplexity and base.perplexity else ""),
+            _perplexity_cell(self.perplexity, base.perplexity)
+            + (f" / {_perplexity_cell(self.decode_perplexity, base.perplexity)}" if self.decode_perplexity else ""),
         ]
 
 
 def _num(value, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
+
+
+def _perplexity_cell(value: float | None, base: float | None) -> str:
+    return _num(value, "{:.3f}") + (f" ({(value / base - 1) * 100:+.2f}%)" if value and base else "")
 
 
 def measure(label: str, config: EngineConfig, prompts: list[list[int]], args, text_ids: list[int] | None) -> Row:
@@ -89,7 +95,24 @@ def measure(label: str, config: EngineConfig, prompts: list[list[int]], args, te
         run_brisk(llm, prompts[:2], 4)  # warm-up: kernels built, first allocations made
         throughput = run_brisk(llm, prompts, args.output_len).tokens_per_second if args.num_prompts else None
         ppl = perplexity(llm, text_ids, 1024, 768).perplexity if text_ids else None
-        return Row(label, weight_bytes(llm) / 1e6, None, throughput, ppl)
+        row = Row(label, weight_bytes(llm) / 1e6, None, throughput, ppl)
+    finally:
+        del llm
+        gc.collect()
+    if text_ids and (config.int8_activations or config.quantization == "w8a8"):
+        row.decode_perplexity = _decode_path_perplexity(config, text_ids)
+    return row
+
+
+def _decode_path_perplexity(config: EngineConfig, text_ids: list[int]) -> float:
+    """Perplexity with the text fed in chunks of QUANT_MATVEC_MAX_ROWS tokens: the products a
+    decode step runs, which round activations to int8 per block of 32. Prompt-sized chunks round
+    them otherwise (w8a8: per row, in oneDNN's integer GEMM) or not at all (int4 and GGUF blocks:
+    float panels), so the whole-prompt figure alone says little of what decoded tokens see."""
+    llm = LLM.from_config(dataclasses.replace(config, max_num_batched_tokens=cpu_kernels.QUANT_MATVEC_MAX_ROWS,
+                                              enable_chunked_prefill=True))
+    try:
+        return perplexity(llm, text_ids, 1024, 768).perplexity
     finally:
         del llm
         gc.collect()
@@ -161,7 +184,8 @@ def main(args) -> None:
     print(f"single stream: {args.decode_len} tokens after a 32-token prompt, best of {args.repeats} rounds taken in "
           f"turn by every row; offline: "
           f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} "
-          f"out each; perplexity: first {len(text_ids or [])} tokens, windows of 1024 every 768")
+          f"out each; perplexity: first {len(text_ids or [])} tokens, windows of 1024 every 768 (rows rounding "
+          f"activations: whole windows / in chunks of {cpu_kernels.QUANT_MATVEC_MAX_ROWS} tokens, as decoding)")
 
     configs = {label: dataclasses.replace(base_config, **{**ROW_DEFAULTS, **CONFIGS[label]}) for label in labels}
     rows = []

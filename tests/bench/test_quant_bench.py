@@ -24,3 +24,17 @@ def test_bench_quant_prints_a_row_per_configuration(tmp_path, capsys):
 def test_bench_quant_refuses_unknown_configurations(capsys):
     assert main(["bench", "quant", "--configs", "float32", "int3"]) == 2
     assert "unknown --configs ['int3']" in capsys.readouterr().err
+
+
+def test_rows_rounding_activations_also_report_perplexity_through_the_decode_path(tmp_path, capsys):
+    """w8a8 rounds activations one way in prompt-sized products and another in decode's: its row
+    gives both perplexities; float32 has one."""
+    model = build_tiny_checkpoint(str(tmp_path / "llama"), "llama")
+    code = main(["bench", "quant", "--model", model, "--configs", "float32", "w8a8", "--num-prompts", "0",
+                 "--decode-len", "4", "--repeats", "1", "--perplexity-tokens", "300", "--no-llama-cpp"])
+    assert code == 0
+    rows = {row.split(" | ")[0].removeprefix("| "): row.split(" | ")[-1].removesuffix(" |")
+            for row in capsys.readouterr().out.splitlines() if row.startswith("| ") and "---" not in row}
+    assert rows["float32"].endswith("(+0.00%)") and " / " not in rows["float32"]
+    whole, decoding = rows["w8a8"].split(" / ")
+    assert whole != decoding and all(part.endswith("%)") for part in (whole, decoding))

@@ -57,7 +57,7 @@ def test_every_format_matches_its_dequantized_matrix(rows, cols):
             _check(cpu_kernels.quant_linear(x[:m], kernel), x[:m], dense, bias, 1e-5)
 
 
-@pytest.mark.parametrize("rows, cols", [(37, 45), (24, 576)])
+@pytest.mark.parametrize("rows, cols", [(37, 45), (13, 235), (24, 576)])  # 1, 7 and 18 full blocks
 def test_int8_activations_stay_within_their_rounding(rows, cols):
     """Each block of x is rounded to int8 with step amax/127: the product moves by at most half
     a step per element times |w|, plus float noise."""
