@@ -485,8 +485,9 @@ static inline void codes_q8_0(const struct weight *w, int64_t j, int64_t b, vflo
  *
  * With `quantize_activations` set on a weight, each 32-block of each activation row is rounded
  * to int8 with its own scale (llama.cpp's Q8_0 for activations) and a block's product is an
- * integer dot product: 32 multiply-adds in three instructions on AVX2 (`maddubs`, `madd`), where
- * the float path converts every weight to float first. Faster, and no longer equal to the float
+ * integer dot product: 32 multiply-adds in three instructions on AVX2 (`maddubs`, `madd`), 64 in
+ * one with AVX512-VNNI (`vpdpbusd`, DEFINE_QDOT_VNNI), where the float path converts every weight
+ * to float first. Faster, and no longer equal to the float
  * product: the activation's rounding adds ~0.3% relative error per block. int8, q8_0 and int4
  * weights have this path; fp8 and nf4 values are not integers.
  *
@@ -635,7 +636,7 @@ static inline __m512i vnni_codes_q8_0(const struct weight *w, int64_t j, int64_t
 
 static inline __m512i vnni_codes_int4(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
     const uint8_t *q = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
-    const __m256i raw = _mm256_maskz_loadu_epi8((__mmask32)half, q); /* 16 bytes per block */
+    const __m256i raw = _mm256_maskz_loadu_epi8((uint32_t)(half >> 32) ? 0xFFFFFFFFu : 0xFFFFu, q); /* 16 bytes a block */
     /* [b, b, b + 1, b + 1] in 16-byte lanes, the second of each shifted down a nibble */
     const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(raw));
     return _mm512_and_si512(_mm512_srlv_epi64(twice, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));

@@ -5,6 +5,8 @@ portable builds are compared with the host's build too, whatever the host has.""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import platform
 
 import pytest
@@ -76,6 +78,34 @@ def test_int8_activations_stay_within_their_rounding(rows, cols):
             bound = (step[:m].double() / 2) @ dense.abs().T + 1e-5 * (x[:m].double().abs() @ dense.abs().T)
             assert (error <= bound).all(), weight.format
             assert (error > 0).any()  # it does round: this is not the float path
+
+
+def _before_a_guard_page(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t whose last byte is followed by an inaccessible page: a kernel that reads past
+    the end of a weight's codes (a vector load of a short last block) faults instead of reading
+    its neighbour's bytes harmlessly, as it would in a model's packed weights."""
+    nbytes, page = t.numel() * t.element_size(), mmap.PAGESIZE
+    size = -(-nbytes // page) * page + page
+    buffer = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(buffer.data_ptr() + size - page), ctypes.c_size_t(page), 0) == 0  # PROT_NONE
+    copy = buffer[size - page - nbytes:size - page].view(t.dtype).view(t.shape)
+    return copy.copy_(t)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="mprotect through libc")
+@pytest.mark.parametrize("cols", [32, 96, 235])  # an odd number of full blocks, the last one alone
+def test_no_kernel_reads_past_the_last_block_of_the_codes(cols):
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(5))
+    for weight in _weights(3, cols):
+        guarded = QuantizedTensor(weight.format, weight.shape, _before_a_guard_page(weight.data), weight.scales,
+                                  weight.mins, weight.group_size)
+        dense = weight.dequantize()
+        for activations in (False, True) if weight.format in cpu_kernels.INT8_ACTIVATION_FORMATS else (False,):
+            kernel = cpu_kernels.KernelWeight.quantized(guarded, quantize_activations=activations)
+            for m in (1, 4, 5):
+                y = cpu_kernels.quant_linear(x[:m], kernel)
+                _check(y, x[:m], dense, None, 1e-5 if not activations else 0.05)
 
 
 def test_a_group_size_the_kernels_cannot_shift_to_is_refused():
