@@ -206,8 +206,39 @@ def write(path: Path, fresh: dict[str, str]) -> None:
               "its command, the machine it ran on and when. Absolute figures on these shared 2-core machines drift "
               "by 20-30% between runs; ratios within one run are steadier. The analysis behind earlier figures, "
               "issue by issue, is in [docs/benchmark-notes.md](docs/benchmark-notes.md).", ""]
+    header += [duration(body), ""]
     parts = [_begin(s.name) + "\n" + body[s.name] + _end(s.name) + "\n" for s in SECTIONS if s.name in body]
     path.write_text("\n".join(header) + "\n" + "\n".join(parts))
+
+
+_RUN = re.compile(r"Run \d{4}-\d\d-\d\d, (quick|full) size, ([\d.]+) min\.")
+
+
+def duration(body: dict[str, str]) -> str:
+    """The header's sentence on how long `make bench` takes: the sum of the times the sections
+    at full size state (sections run one at a time, so the sum is the full run's time), naming
+    those that are not in it."""
+    full, quick, other = {}, [], []
+    for s in SECTIONS:
+        if s.name not in body:
+            continue
+        run = _RUN.search(body[s.name])
+        if run is None:
+            other.append(s.name)
+        elif run.group(1) == "full":
+            full[s.name] = float(run.group(2))
+        else:
+            quick.append(s.name)
+    total = sum(full.values())
+    slowest = sorted(full, key=full.get, reverse=True)[:3]
+    text = (f"At full size, {len(full)} sections take {total:.0f} min ({int(total // 60)} h {total % 60:.0f} min) "
+            f"in all, the slowest {', '.join(f'{n} {full[n]:.0f}' for n in slowest)}: the sum of the times they "
+            f"state below.") if full else "No section here was run at full size."
+    if quick:
+        text += f" At quick size, not in that sum: {', '.join(quick)}."
+    if other:
+        text += f" Not run by `brisk bench report`, not in that sum: {', '.join(other)}."
+    return text
 
 
 def main(args) -> None:
