@@ -169,8 +169,9 @@ def test_autoscaling_adds_replicas_under_load(tiny_folder, cluster):
     config = EngineConfig(model=tiny_folder, **ENGINE)
     deployment = engine_deployment(config, ServerConfig(), ClusterConfig(min_replicas=1, max_replicas=2,
                                                                          target_ongoing_requests=1))
+    # Ray's defaults report load every 10 s: the tiny model can finish the load before a report.
     fast = dict(deployment._deployment_config.autoscaling_config.model_dump(), upscale_delay_s=0.5,
-                look_back_period_s=1.0)
+                look_back_period_s=1.0, metrics_interval_s=0.5)
     serve.run(deployment.options(autoscaling_config=fast).bind(config), name="autoscaled", route_prefix=None)
     handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, "autoscaled").options(stream=True)
 
@@ -179,7 +180,7 @@ def test_autoscaling_adds_replicas_under_load(tiny_folder, cluster):
         return status.replica_states.get("RUNNING", 0)
 
     assert running_replicas() == 1
-    long = SamplingParams(max_tokens=1800, ignore_eos=True)
+    long = SamplingParams(max_tokens=2000, ignore_eos=True)
     streams = [handle.generate.remote([5, 6, 7], long, f"load-{i}") for i in range(6)]
     try:
         wait_for(lambda: running_replicas() == 2, 240, "a second replica")
