@@ -621,11 +621,17 @@ static inline __m512 vnni_pair_of(float first, float second) {
     return _mm512_permutexvar_ps(VNNI_PAIR_LANES, _mm512_castps128_ps512(_mm_setr_ps(first, second, 0.0f, 0.0f)));
 }
 
+/* A pair's 64 bytes; only a lone last block (half: its 32 bytes) takes a masked load. AMD's Zen 5
+ * streams masked loads from memory several times slower than plain ones. */
+static inline __m512i vnni_load_pair(const void *p, __mmask64 half) {
+    return half == ~(__mmask64)0 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(half, p);
+}
+
 /* q + 128 as unsigned bytes (a missing second block becomes 128s, against x's zeros) */
 static inline __m512i vnni_unsigned(__m512i codes) { return _mm512_xor_si512(codes, _mm512_set1_epi8(-128)); }
 
 static inline __m512i vnni_codes_int8(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
-    return vnni_unsigned(_mm512_maskz_loadu_epi8(half, (const int8_t *)w->data + j * w->cols + b * QBLOCK));
+    return vnni_unsigned(vnni_load_pair((const int8_t *)w->data + j * w->cols + b * QBLOCK, half));
 }
 
 static inline __m512i vnni_codes_q8_0(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
@@ -636,7 +642,8 @@ static inline __m512i vnni_codes_q8_0(const struct weight *w, int64_t j, int64_t
 
 static inline __m512i vnni_codes_int4(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
     const uint8_t *q = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
-    const __m256i raw = _mm256_maskz_loadu_epi8((uint32_t)(half >> 32) ? 0xFFFFFFFFu : 0xFFFFu, q); /* 16 bytes a block */
+    const __m256i raw = (uint32_t)(half >> 32) ? _mm256_loadu_si256((const __m256i *)q) /* 16 bytes a block */
+                                               : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q));
     /* [b, b, b + 1, b + 1] in 16-byte lanes, the second of each shifted down a nibble */
     const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(raw));
     return _mm512_and_si512(_mm512_srlv_epi64(twice, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
@@ -703,7 +710,7 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
             const __m512i codes = vnni_codes_##FMT(w, j, b, half);                                        \
             const __m512 wsv = vnni_scales_##FMT(w, j, b, ws);                                            \
             for (int i = 0; i < ROWS; i++) {                                                              \
-                const __m512i xv = _mm512_maskz_loadu_epi8(half, xq + (i * full + b) * QBLOCK);           \
+                const __m512i xv = vnni_load_pair(xq + (i * full + b) * QBLOCK, half);                        \
                 const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv)); \
                 const __m512 t = VNNI_SIGNED_##FMT ? _mm512_fmadd_ps(xdv[i * pairs + p], dot, xsv[i * pairs + p]) \
                                                    : _mm512_mul_ps(xdv[i * pairs + p], dot);              \
