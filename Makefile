@@ -80,7 +80,7 @@ lint: install
 serve: install
 	$(BIN)/brisk serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-# BENCHMARKS.md regenerated: every section at full size (2 h 39 min on our 2-core machines, the sum in its header), or some: make bench SECTIONS="serve compare".
+# BENCHMARKS.md regenerated: every section at full size (2-3 hours on our 2-core machines, the sum of the sections' times in its header), or some: make bench SECTIONS="serve compare".
 bench: install
 	$(BIN)/brisk bench report $(if $(SECTIONS),--sections $(SECTIONS))
 
