@@ -106,8 +106,8 @@ static inline int64_t row_bytes(const struct weight *w) {
     switch (w->format) {
         case WEIGHT_INT8:
         case WEIGHT_FP8: return w->cols;
-        case WEIGHT_Q8_0: return w->blocks * 34;
-        default: return w->blocks * (QBLOCK / 2);
+        case WEIGHT_Q8_0: return blocks_per_row(w) * 34;
+        default: return blocks_per_row(w) * (QBLOCK / 2);
     }
 }
 
