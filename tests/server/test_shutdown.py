@@ -22,12 +22,12 @@ from tests.server.conftest import serve_tiny
 
 def _start(folder: str, grace: float, engine_flag: str) -> tuple[subprocess.Popen, str]:
     return serve_tiny(folder, "--shutdown-grace-seconds", str(grace), "--log-level", "info", "--no-response-cache",
-                      engine_flag, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      "--max-model-len", "8192", "--num-kv-blocks", "1024", engine_flag, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _stream(base: str, events: list, started: threading.Event) -> None:
-    body = {"prompt": "w3 w4", "max_tokens": 250, "ignore_eos": True, "stream": True}
+def _stream(base: str, max_tokens: int, events: list, started: threading.Event) -> None:
+    body = {"prompt": "w3 w4", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -41,14 +41,17 @@ def tiny_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process"])
-@pytest.mark.parametrize("grace, finish_reason", [(0, "abort"), (60, "length")])
-def test_sigterm_ends_streams_with_a_final_chunk_and_exits_zero(tiny_folder, grace, finish_reason, engine_flag):
+# The stream cut short is long enough to outlast the signal's handling on a fast host; the one
+# that finishes is short enough to end well within its grace period on a slow one.
+@pytest.mark.parametrize("grace, max_tokens, finish_reason", [(0, 8000, "abort"), (60, 250, "length")])
+def test_sigterm_ends_streams_with_a_final_chunk_and_exits_zero(tiny_folder, grace, max_tokens, finish_reason,
+                                                                engine_flag):
     process, base = _start(tiny_folder, grace, engine_flag)
     children = [c for c in psutil.Process(process.pid).children() if "core_process" in " ".join(c.cmdline())]
     assert len(children) == (engine_flag == "--engine-process")
     try:
         events, started = [], threading.Event()
-        reader = threading.Thread(target=_stream, args=(base, events, started))
+        reader = threading.Thread(target=_stream, args=(base, max_tokens, events, started))
         reader.start()
         assert started.wait(60)
         process.send_signal(signal.SIGTERM)
