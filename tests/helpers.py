@@ -1,12 +1,56 @@
-"""Test helpers that drive the engine's real paged path below the scheduler."""
+"""Test helpers: the parts a test needs (skipped where missing, failed under CI), and the
+engine's real paged path driven below the scheduler."""
 
 from __future__ import annotations
 
+import importlib
+import os
+from types import ModuleType
+from typing import NoReturn
+
+import pytest
 import torch
 
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
+from brisk.kernels import cpu as cpu_kernels
 from brisk.sampling_params import SamplingParams
+
+
+def missing(what: str) -> NoReturn:
+    """Skips the test (or the whole module, when called at import) for want of a part the host
+    lacks, naming it. Under CI (CI=true or 1, as CI services set it) it fails instead: a run
+    whose tests skipped because a part it should have installed is missing must not pass green.
+    At import that is a collection error, which stops the run: loud, as it should be."""
+    __tracebackhide__ = True  # reports point at the test that needs the part, not here
+    if os.environ.get("CI", "").lower() in ("1", "true"):
+        pytest.fail(f"{what} is missing (CI=true: a missing part fails, it does not skip)", pytrace=False)
+    pytest.skip(f"{what} is missing", allow_module_level=True)
+
+
+def require(present: bool, what: str) -> None:
+    """`missing(what)` unless the part is present."""
+    __tracebackhide__ = True
+    if not present:
+        missing(what)
+
+
+def import_or_require(module: str, what: str) -> ModuleType:
+    """The module, imported; `missing(what)` where it is not installed. pytest.importorskip would
+    skip under CI too."""
+    __tracebackhide__ = True
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing(f"{what} (import {module}: {exc})")
+
+
+def require_c_compiler() -> None:
+    """The C kernels' tests need a C compiler; without one the kernels are unavailable and the
+    engine runs torch. A compiler whose build fails is no reason to skip: that raises
+    KernelBuildError where the test first uses the kernel."""
+    __tracebackhide__ = True
+    require(cpu_kernels._compiler() is not None, "a C compiler ($CC, cc or gcc)")
 
 
 @torch.inference_mode()

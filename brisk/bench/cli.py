@@ -209,18 +209,22 @@ def add_bench_parser(sub) -> None:
 
 
 def _add_compare_parser(kinds) -> None:
-    cp = kinds.add_parser("compare", help="one workload against brisk serve, llama.cpp's server (the llama extra), "
-                                          "brisk offline and transformers generate; prints ratios")
+    cp = kinds.add_parser("compare", help="one workload against brisk serve, llama.cpp's llama-server (make "
+                                          "llama-cpp), brisk offline and transformers generate; prints ratios")
     cp.add_argument("--hf-single-prompts", type=int, default=4,
                     help="requests transformers runs one at a time (the first ones: it is slow)")
     cp.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
     cp.add_argument("--no-transformers", action="store_true", help="leave the transformers rows out")
-    cp.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
-    cp.add_argument("--llama-cpp-context", type=int, default=2048, help="llama.cpp's n_ctx")
+    cp.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    cp.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
+                    help="folder of llama-server and llama-bench; default: make llama-cpp's build/llama.cpp/bin, "
+                         "else the PATH")
+    cp.add_argument("--single-stream-tokens", type=int, default=128,
+                    help="tokens of the single-stream rows (llama-bench's tg N)")
     add_load_arguments(cp)
     add_engine_arguments(cp)
-    # fp32: transformers' dtype on this CPU; 32 questions keep transformers' static batches to two.
-    cp.set_defaults(func=_main_of("brisk.bench.compare"), dtype="float32", num_prompts=32, kv_cache_memory_gib=2.0)
+    # 32 questions at once: llama-server gets 32 slots, transformers' static batches are two.
+    cp.set_defaults(func=_main_of("brisk.bench.compare"), num_prompts=32, kv_cache_memory_gib=2.0)
 
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
@@ -273,14 +277,21 @@ def add_optimize_parser(sub) -> None:
                          "(output_throughput=100); repeat for several")
     op.add_argument("--max-quality-drop", type=float, default=1.0,
                     help="most perplexity increase over plain float32, in percent")
-    op.add_argument("--budget-minutes", type=float, default=30.0, help="time to spend measuring")
+    op.add_argument("--budget-minutes", type=float, default=45.0,
+                    help="time to spend measuring (the default fits three rounds of the default search here)")
+    op.add_argument("--rounds", type=int, default=3,
+                    help="runs of each configuration, interleaved with plain's (at least 3: figures are medians "
+                         "with their range)")
     op.add_argument("--price-per-hour", type=float, default=0.10,
                     help="what the machine costs per hour, for the cost per million tokens (default: $0.10, a "
                          "2-core cloud VM)")
     op.add_argument("--skip", nargs="+", default=[], choices=[t.name for t in TECHNIQUES], metavar="TECHNIQUE",
                     help=f"techniques not to try: {', '.join(t.name for t in TECHNIQUES)}")
-    op.add_argument("--out", default="optimize", help="folder for report.md, the plots, best.yaml and the "
-                                                      "measurements a later run reuses")
+    op.add_argument("--out", default="optimize", help="folder for report.md, the plots and best.yaml")
+    op.add_argument("--store", default=None,
+                    help="JSON file of measurements a later run reuses (keyed by configuration, round, workload, "
+                         "model content, brisk's code and host); default: ~/.cache/brisk/optimize/measurements.json")
+    op.add_argument("--fresh", action="store_true", help="measure everything anew, reusing nothing from the store")
     op.add_argument("--text", default=None, help="text of the perplexity; default: Pride and Prejudice")
     op.add_argument("--perplexity-tokens", type=int, default=4096)
     op.add_argument("--perplexity-context-len", type=int, default=1024)

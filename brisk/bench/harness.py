@@ -90,8 +90,23 @@ def machine() -> str:
     cpu = _cpuinfo()
     flags = set(cpu.get("flags", "").split())
     present = " ".join(f for f in _FLAGS if f in flags) or "none of " + " ".join(_FLAGS)
-    return (f"CPU: {cpu.get('model name', 'unknown')}, {os.cpu_count()} cores; flags: {present}; "
+    return (f"CPU: {cpu.get('model name', 'unknown')}{_generation(cpu)}, {os.cpu_count()} cores; flags: {present}; "
             f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}")
+
+
+def _generation(cpu: dict[str, str]) -> str:
+    """" (family 25, model 17: Zen 4)": a cloud CPU's model name is often just "AMD EPYC", the same
+    words for Zen 3, 4 and 5, whose figures differ several-fold; family and model tell them apart."""
+    try:
+        family, model = int(cpu["cpu family"]), int(cpu["model"])
+    except (KeyError, ValueError):
+        return ""
+    zen = None
+    if cpu.get("vendor_id") == "AuthenticAMD":
+        zen = {23: "Zen 2" if model >= 0x30 else "Zen", 26: "Zen 5"}.get(family)
+        if family == 25:
+            zen = "Zen 3" if model < 0x10 or 0x20 <= model < 0x60 else "Zen 4"
+    return f" (family {family}, model {model}" + (f": {zen})" if zen else ")")
 
 
 def _cpuinfo() -> dict[str, str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 from brisk.engine.output import RequestOutput
+from brisk.identity import content_digest, source_digest
 from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.modules import weight_footprint
@@ -53,7 +54,7 @@ class ModelInfo:
     hidden_size: int
     num_heads: int
     num_kv_heads: int
-    # What the output depends on, hashed: the checkpoint's files (path, size, modification time)
+    # What the output depends on, hashed: the checkpoint's contents, brisk's code (identity.py)
     # and the settings that change the numbers or the defaults (dtype, device, context length,
     # quantization, KV cache dtype, speculative decoding, seed). The response cache keys on it, so an answer is
     # never served by a server whose model or settings would have answered differently.
@@ -80,14 +81,12 @@ class ModelInfo:
 
 
 def _identity(engine: "LLMEngine") -> str:
-    path, config = os.path.realpath(engine.checkpoint.path), engine.config
-    files = sorted(os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names) \
-        if os.path.isdir(path) else [path]
-    stats = [(f, (st := os.stat(f)).st_size, st.st_mtime_ns) for f in files]
+    config = engine.config
     settings = (str(engine.dtype), str(engine.device), engine.max_model_len, config.quantization,
                 config.quantization_group_size, config.int8_activations, config.kv_cache_kind,
                 config.speculative_config and config.speculative_config.to_json(), config.seed)
-    return hashlib.sha256(json.dumps([stats, settings], default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([content_digest(engine.checkpoint.path), source_digest(), settings],
+                                     default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

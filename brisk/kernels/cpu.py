@@ -5,7 +5,9 @@ per-user cache keyed by the source and flags, then loaded with ctypes (which rel
 during calls). The attention kernels are built per model shape (block size and head dim are
 compile-time constants, which keeps their hot loops in registers). OpenMP symbols resolve to
 the libgomp torch has already loaded, so the kernels share torch's thread pool instead of
-fighting it for cores. Without a compiler, `available*()` say no and callers use torch.
+fighting it for cores. Without a compiler, `available*()` say no and callers use torch; with
+one, a build that fails raises KernelBuildError, so a broken kernel is never mistaken for a
+machine without a compiler (and silently served by the slower torch path).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -61,6 +64,11 @@ _CACHE_SUFFIXES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8
 SMALL_BATCH_ROWS = 16
 
 
+class KernelBuildError(RuntimeError):
+    """A C compiler is present but a kernel did not build: the message holds the source, the
+    command and the compiler's own output."""
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "brisk" / "kernels"
@@ -69,10 +77,10 @@ def _cache_dir() -> Path:
 @cache
 def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march: str = "native") -> ctypes.CDLL | None:
     """The kernel library for this source, built for the host CPU (march "native"); tests build
-    others ("x86-64-v3": the AVX2 + FMA path, "x86-64": the portable C path) to compare them."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    others ("x86-64-v3": the AVX2 + FMA path, "x86-64": the portable C path) to compare them.
+    None where the host has no C compiler; raises KernelBuildError where the build fails."""
+    compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found: using the slower torch paths")
         return None
     source = _HERE / source_name
     flags = [*_FLAGS, f"-march={march}", *(f"-D{name}={value}" for name, value in defines)]
@@ -82,12 +90,7 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march:
     key = hashlib.sha256(inputs).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
-        try:
-            _build(compiler, flags, source, target)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            log.warning("building %s failed, using torch instead: %s %s", source.name, exc,
-                        getattr(exc, "stderr", "") or "")
-            return None
+        _build(compiler, flags, source, target)
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
         variants = [name, *(f"{name}_{x}" for x in _SUFFIXES.values()),
@@ -97,6 +100,16 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march:
             if symbol is not None:
                 symbol.argtypes = argtypes
     return lib
+
+
+@cache
+def _compiler() -> str | None:
+    """The path of the C compiler ($CC, else cc, else gcc), or None, said once in the log: then
+    every kernel is unavailable and callers take the torch paths."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found (neither $CC, cc nor gcc on PATH): using the slower torch paths")
+    return compiler
 
 
 @cache
@@ -139,9 +152,13 @@ def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
         obj, built = Path(tmp) / f"{source.stem}.o", Path(tmp) / target.name
         for command in ([compiler, *flags, "-c", str(source), "-o", str(obj)],
                         [compiler, *_LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
-            result = subprocess.run(command, capture_output=True, text=True)
+            try:
+                result = subprocess.run(command, capture_output=True, text=True)
+            except OSError as exc:  # the compiler was found but cannot run
+                raise KernelBuildError(f"building {source.name} failed: {shlex.join(command)}: {exc}") from exc
             if result.returncode != 0:
-                raise subprocess.CalledProcessError(result.returncode, compiler, stderr=result.stderr)
+                raise KernelBuildError(f"building {source.name} failed (exit code {result.returncode}): "
+                                       f"{shlex.join(command)}\n{result.stderr}")
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
 
 

@@ -35,6 +35,12 @@ from brisk.spec.verify import Draft
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "draft_model": 1, "medusa": 1}
 
 
+def drafting_limit(config: SpeculativeConfig) -> int:
+    """Running sequences past which nobody drafts: the config's own limit, else the method's
+    measured default. `brisk optimize` reads it to tell whether a drafter can act on a workload."""
+    return config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[config.method]
+
+
 class Drafter(Protocol):
     def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]: ...
 
@@ -45,7 +51,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter):
         self.config = config
         self.drafter = drafter
-        self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[config.method]
+        self.disable_by_batch_size = drafting_limit(config)
 
     @classmethod
     def build(cls, config: EngineConfig, target: Checkpoint, runner: ModelRunner, max_model_len: int,

@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'brisk[ray]'")
-serve = pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: pip install 'brisk[ray]'")
+from tests.helpers import import_or_require
+
+ray = import_or_require("ray", "Ray Serve (the optional extra: pip install 'brisk[ray]')")
+serve = import_or_require("ray.serve", "Ray Serve (the optional extra: pip install 'brisk[ray]')")
 
 from brisk import LLM  # noqa: E402
 from brisk.cluster.app import APP_NAME, ENGINE_DEPLOYMENT, engine_deployment, start  # noqa: E402

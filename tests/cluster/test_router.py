@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import pytest
+from tests.helpers import import_or_require
 
-pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: pip install 'brisk[ray]'")
+import_or_require("ray.serve", "Ray Serve (the optional extra: pip install 'brisk[ray]')")
 
 from brisk.cluster.router import PrefixAffinityRouter  # noqa: E402
 

@@ -12,7 +12,9 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: pip install 'brisk[ray]'")
+from tests.helpers import import_or_require
+
+import_or_require("ray.serve", "Ray Serve (the optional extra: pip install 'brisk[ray]')")
 
 from tests.conftest import build_tiny_checkpoint  # noqa: E402
 from tests.server.conftest import serve_tiny  # noqa: E402

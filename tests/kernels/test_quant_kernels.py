@@ -14,8 +14,9 @@ import torch
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, from_gguf_blocks, quantize
+from tests.helpers import require_c_compiler
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
+require_c_compiler()
 
 FLOAT_FORMATS = ("int8", "fp8", "int4", "nf4")
 

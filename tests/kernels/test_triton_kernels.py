@@ -13,7 +13,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from tests.helpers import import_or_require  # noqa: E402
+
+import_or_require("triton", "Triton (the test extra)")
 
 import torch.nn.functional as F  # noqa: E402
 

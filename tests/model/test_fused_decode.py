@@ -15,12 +15,11 @@ from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.kernels import cpu as cpu_kernels
 from brisk.quant.kv_cache import KVCacheLayer
 from tests.conftest import TINY_VOCAB
+from tests.helpers import require_c_compiler
 
 CPU = torch.device("cpu")
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.decode_layers_available(torch.zeros(1), KVCacheLayer.allocate("float32", 1, 1, 4, 16, CPU)),
-    reason="no C compiler")
+require_c_compiler()
 
 
 @torch.inference_mode()

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.kernels import cpu as cpu_kernels
 from brisk.quant.modules import QuantizedEmbedding, QuantizedLinear, weight_footprint
-from tests.helpers import brisk_logits
+from tests.helpers import brisk_logits, require_c_compiler
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
+require_c_compiler()
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 

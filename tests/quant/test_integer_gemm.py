@@ -11,6 +11,7 @@ from torch import nn
 from brisk.kernels import cpu as cpu_kernels
 from brisk.quant.formats import quantize
 from brisk.quant.modules import OUTLIER_THRESHOLD, QuantizedLinear, int8_rows, set_int8_activations
+from tests.helpers import require_c_compiler
 
 
 def _layer(rows: int, cols: int, seed: int = 0) -> QuantizedLinear:
@@ -68,8 +69,8 @@ def test_outlier_columns_are_multiplied_in_float():
     assert OUTLIER_THRESHOLD < 7.0
 
 
-@pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
 def test_the_c_rounding_and_scaling_equal_torch():
+    require_c_compiler()
     x = torch.randn(33, 300, generator=torch.Generator().manual_seed(5)) * 2
     x[4, 10], x[20, 299], x[7] = 9.0, -50.0, 0.0
     for threshold in (OUTLIER_THRESHOLD, float("inf")):
@@ -83,8 +84,8 @@ def test_the_c_rounding_and_scaling_equal_torch():
         assert torch.allclose(cpu_kernels.scale_int32(acc, rows, cols, b).double(), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(not cpu_kernels.quant_available(torch.zeros(1)), reason="no C compiler")
 def test_up_to_eight_rows_keep_the_per_block_kernel():
+    require_c_compiler()
     layer = _layer(24, 576)
     x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3))
     assert torch.equal(layer(x), cpu_kernels.quant_linear(x, layer.kernel_weight()))

@@ -14,6 +14,7 @@ from brisk.sample.penalties import Penalties
 from brisk.sample.random import to_int64, uniforms
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 from brisk.sampling_params import SamplingError, SamplingParams
+from tests.helpers import require_c_compiler
 
 CPU = torch.device("cpu")
 
@@ -22,8 +23,7 @@ CPU = torch.device("cpu")
 def path(request, monkeypatch) -> str:
     """Runs a test through the C kernel and through the torch formulation (GPUs, no compiler)."""
     if request.param == "kernel":
-        if not cpu_kernels.sampling_available(torch.zeros(1, 1)):
-            pytest.skip("no C compiler")
+        require_c_compiler()
     else:
         monkeypatch.setattr(cpu_kernels, "sampling_available", lambda logits: False)
     return request.param
@@ -111,8 +111,7 @@ def test_uniforms_of_neighbouring_seeds_and_positions_are_evenly_spread():
 def test_kernel_follows_the_torch_formulation_token_for_token(rows, vocab, spread):
     """Rows from sharp to flat: a flat row's nucleus holds most of a real vocabulary, where the
     kernel's selection takes many rounds before it sorts what is left."""
-    if not cpu_kernels.sampling_available(torch.zeros(1, 1)):
-        pytest.skip("no C compiler")
+    require_c_compiler()
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=g) * torch.rand(rows, 1, generator=g) * spread
     logits[::7, :5] = float("-inf")  # banned tokens

@@ -22,7 +22,8 @@ What the clients need back (checked against langchain-openai 1.7.3 / openai 3.52
   plus exactly one for the generated token (also when that token is EOS); `top_logprobs[i]` a
   {token: logprob} dict whose max equals `token_logprobs[i]` exactly when the token is greedy.
 
-The optional clients are skipped where not installed.
+The optional clients' tests skip where they are not installed, and fail under CI
+(tests/helpers.require).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import pytest
 from pydantic import BaseModel
 
 from brisk import SamplingParams
+from tests.helpers import import_or_require
 
 pytestmark = pytest.mark.real_model
 
@@ -261,7 +263,7 @@ def test_lm_eval_local_completions_multiple_choice(base_url, offline_expectation
     lm-eval run --model local-completions --tasks brisk_mc --include_path tests/server/data \\
       --model_args model=smollm2,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=DIR
     """
-    pytest.importorskip("lm_eval")
+    import_or_require("lm_eval", "lm-eval (the test extra)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import lm_eval
@@ -294,7 +296,7 @@ def test_lm_eval_local_completions_multiple_choice(base_url, offline_expectation
 
 def test_lm_eval_local_completions_generation(base_url, offline_expectations, lm_eval_tasks, monkeypatch):
     """generate_until through local-completions: token-id prompts, stop = ["\\n", EOS text], seed."""
-    pytest.importorskip("lm_eval")
+    import_or_require("lm_eval", "lm-eval (the test extra)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import lm_eval
@@ -312,7 +314,7 @@ def test_lm_eval_local_completions_generation(base_url, offline_expectations, lm
 
 def test_lm_eval_local_chat_completions_generation(base_url, lm_eval_tasks, monkeypatch):
     """local-chat-completions (needs apply_chat_template): messages, max_tokens, stop, seed."""
-    pytest.importorskip("lm_eval")
+    import_or_require("lm_eval", "lm-eval (the test extra)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import lm_eval
@@ -341,7 +343,7 @@ WEATHER = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def chat(base_url):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    langchain_openai = import_or_require("langchain_openai", "langchain-openai (the test extra)")
     return langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", temperature=0,
                                        max_tokens=96, max_retries=0)
 

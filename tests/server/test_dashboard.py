@@ -15,6 +15,7 @@ from brisk.bench.dashboard import open_browser
 from brisk.bench.load import LoadRequest, LoadSettings, run_load
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
 from brisk.server.live import WINDOW, LiveStats
+from tests.helpers import require
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -83,9 +84,9 @@ def test_metrics_json_and_the_page_are_served_without_a_key(tiny_engine):
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the rest still needs the key
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver "
-                                                             "(make install installs them)")
 def test_the_dashboard_moves_in_a_real_browser_while_a_load_runs(tiny_url, tmp_path):
+    require(bool(CHROMIUM and CHROMEDRIVER), "chromium or chromedriver (Debian's chromium and chromium-driver, "
+                                             "which make install installs)")
     driver = open_browser()
     try:
         driver.get(f"{tiny_url}/dashboard")

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import import_or_require
 from tests.server.conftest import running_server
 
 pytestmark = pytest.mark.real_model
@@ -164,7 +165,7 @@ def test_lm_eval_tokenizes_through_the_server(base_url, offline_expectations):
     has `eos_token` and /tokenize {prompt, add_special_tokens: false} answers `tokens`, it uses the
     server's (lm_eval.utils.RemoteTokenizer: /tokenize, /detokenize, and the eos and bos tokens and
     the chat template read from /tokenizer_info), so it needs no tokenizer of its own."""
-    pytest.importorskip("lm_eval")
+    import_or_require("lm_eval", "lm-eval (the test extra)")
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     expected = offline_expectations
