@@ -17,7 +17,7 @@ from brisk.bench.compare import LLAMA_BATCH, LLAMA_UBATCH, LLAMA_CPP_BUILD, Row,
 from brisk.model.loader import default_model_path
 
 FAKE_SERVER = r'''
-import json, sys
+import json, os, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -27,6 +27,7 @@ if "--version" in sys.argv:
     sys.exit(0)
 (HERE / "server-args.json").write_text(json.dumps(sys.argv[1:]))
 written = []
+lock = threading.Lock()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -53,10 +54,14 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         for _ in range(n):
             self.wfile.write(b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n')
+        # counted before the stream ends, in a file swapped in whole: the bench stops this server
+        # as soon as the last stream is done, which may be mid-write of a file written in place
+        with lock:
+            written.append(n)
+            (HERE / "written.tmp").write_text(json.dumps(written))
+            os.replace(HERE / "written.tmp", HERE / "written.json")
         usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}
         self.wfile.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
-        written.append(n)
-        (HERE / "written.json").write_text(json.dumps(written))
 
 
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Handler).serve_forever()
