@@ -121,7 +121,7 @@ def run_batch_file(input_path: str, output_path: str, engine_config: EngineConfi
     from tqdm import tqdm
 
     from brisk.embed.embedder import load_embedder
-    from brisk.engine.async_engine import AsyncEngine
+    from brisk.transport.async_engine import AsyncEngine
     from brisk.server.app import build_app
 
     clock = time.perf_counter()

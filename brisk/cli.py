@@ -16,7 +16,7 @@ from brisk.args import (add_config_arguments, add_config_file_argument, add_engi
                         engine_config_from_args, parse_args)
 from brisk.config import (EMBEDDING_BACKENDS, ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig,
                           ResponseCacheConfig, ServerConfig)
-from brisk.engine.client import EngineClient
+from brisk.transport.client import EngineClient
 from brisk.engine.engine import LLMEngine
 from brisk.llm import BATCHING_MODES
 from brisk.quant.formats import GROUP_SIZES
@@ -136,7 +136,7 @@ def cmd_quantize_embedder(args: argparse.Namespace) -> None:
 
     import torch
 
-    from brisk.bench.perplexity import DEFAULT_TEXT
+    from brisk.config import DEFAULT_TEXT
     from brisk.bench.workloads import sentences
     from brisk.embed import onnx_backend
     from brisk.embed.embedder import Embedder
@@ -195,7 +195,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     layout = QuantizedLayout(args.to, args.group_size)
     model = load_model(checkpoint, torch.float32, torch.device("cpu"), max_len=16, quantization=args.to,
                        group_size=args.group_size)
-    write_folder(args.out, checkpoint.spec.hf_config(), layout, checkpoint.tokenizer, model.hf_weights())
+    write_folder(args.out, checkpoint.hparams.hf_config(), layout, checkpoint.tokenizer, model.hf_weights())
     params, _ = weight_footprint(model)
     before, after = folder_bytes(checkpoint.path), folder_bytes(args.out)
     stored = f", {checkpoint.quantization}" if checkpoint.quantization else ""
@@ -212,14 +212,14 @@ def cmd_export_tokenizer(args: argparse.Namespace) -> None:
         raise ConfigError(f"{args.dir!r} exists and is not an empty folder: choose a new one")
     checkpoint = open_checkpoint(args.model)
     os.makedirs(args.dir, exist_ok=True)
-    checkpoint.tokenizer.save(args.dir, model_max_length=checkpoint.spec.max_position_embeddings)
+    checkpoint.tokenizer.save(args.dir, model_max_length=checkpoint.hparams.max_position_embeddings)
     print(f"{args.dir}: the tokenizer of {os.path.basename(checkpoint.path)} "
           f"(load it with transformers.AutoTokenizer.from_pretrained({args.dir!r}))")
 
 
 def cmd_train_medusa(args: argparse.Namespace) -> None:
-    """Medusa heads trained on the model's own answers (brisk/spec/medusa_train.py)."""
-    from brisk.spec.medusa_train import MedusaTrainConfig, train_medusa
+    """Medusa heads trained on the model's own answers (brisk/training/medusa.py)."""
+    from brisk.training.medusa import MedusaTrainConfig, train_medusa
 
     if os.path.exists(args.out) and not (os.path.isdir(args.out) and not os.listdir(args.out)):
         raise ConfigError(f"--out {args.out!r} exists and is not an empty folder: choose a new one")
@@ -231,8 +231,8 @@ def cmd_train_medusa(args: argparse.Namespace) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
-    """A student of the model trained by knowledge distillation (brisk/distill/train.py)."""
-    from brisk.distill.train import DistillConfig, distill
+    """A student of the model trained by knowledge distillation (brisk/training/distill/train.py)."""
+    from brisk.training.distill.train import DistillConfig, distill
 
     config = config_from_args(DistillConfig, args)
     report = distill(args.model, args.out, config, log=lambda line: print(line, file=sys.stderr), progress=True)
@@ -244,10 +244,10 @@ def cmd_distill(args: argparse.Namespace) -> None:
 def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineClient:
     """The engine on a thread of this process, or in a process of its own (--engine-process)."""
     if server_config.engine_process:
-        from brisk.engine.core_process import ProcessEngine
+        from brisk.transport.core_process import ProcessEngine
 
         return ProcessEngine(config, omp_wait_policy=server_config.engine_omp_wait_policy)
-    from brisk.engine.async_engine import AsyncEngine
+    from brisk.transport.async_engine import AsyncEngine
 
     return AsyncEngine(config)
 
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)")
     export.set_defaults(func=cmd_export_tokenizer)
 
-    from brisk.spec.medusa_train import MedusaTrainConfig
+    from brisk.training.medusa import MedusaTrainConfig
 
     medusa = sub.add_parser("train-medusa", help="train Medusa heads (speculative decoding) on the model's own answers")
     medusa.add_argument("model", nargs="?", default=None,
@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(medusa, MedusaTrainConfig, "training options")
     medusa.set_defaults(func=cmd_train_medusa)
 
-    from brisk.distill.train import DistillConfig
+    from brisk.training.distill.train import DistillConfig
 
     dist = sub.add_parser("distill", help="train a smaller student of the model by knowledge distillation")
     dist.add_argument("model", nargs="?", default=None,

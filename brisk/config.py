@@ -14,12 +14,13 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.quant.formats import GROUP_SIZES
-from brisk.quant.kv_cache import KV_CACHE_DTYPES
+from brisk.kernels.kv_cache import KV_CACHE_DTYPES
 from brisk.quant.modules import METHODS as QUANTIZATION_METHODS
 
 
@@ -39,6 +40,10 @@ def knobs(config_cls: type) -> list[dataclasses.Field]:
     """The fields of EngineConfig or ServerConfig: one command-line flag each."""
     return list(dataclasses.fields(config_cls))
 
+
+# Pride and Prejudice as guidellm 0.2.1 ships it; `make install` unpacks it here. The text perplexity
+# is scored on by default, and the corpus a distilled student learns from.
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "prideandprejudice.txt"
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
 MEDUSA_CONFIG_FILE = "medusa_config.json"  # what marks a folder of Medusa heads (spec/medusa.py)

@@ -326,7 +326,7 @@ def add_eval_parser(sub) -> None:
     ds.add_argument("--rounds", type=int, default=3, help="speed rounds, alternating between the models")
     add_engine_arguments(ds)
     # --model is the teacher (default: the one the data was made with); the students get the same options.
-    ds.set_defaults(func=_main_of("brisk.distill.evaluate"), dtype="float32", max_num_batched_tokens=2048,
+    ds.set_defaults(func=_main_of("brisk.bench.students"), dtype="float32", max_num_batched_tokens=2048,
                     kv_cache_memory_gib=2.0)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import torch
 
-from brisk.bench.perplexity import DEFAULT_TEXT
+from brisk.config import DEFAULT_TEXT
 from brisk.bench.harness import brisk_serve, free_port, machine, prometheus_samples
 from brisk.engine.stats import percentiles
 from brisk.bench.workloads import sentences

@@ -47,7 +47,7 @@ def run_scenario(engine: LLMEngine, long_len: int, interval: float, num_short: i
     start = time.monotonic()
     long_id = None
     if long_len:
-        ids = [rng.randrange(100, engine.spec.vocab_size) for _ in range(long_len)]
+        ids = [rng.randrange(100, engine.hparams.vocab_size) for _ in range(long_len)]
         long_id = engine.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1),
                                      arrival_time=start)
     ttfts, long_done, short_ids = [], None, set()
@@ -85,7 +85,7 @@ def calibrate(config: EngineConfig, chunk: int, contexts: list[int]) -> None:
     rng = random.Random(0)
     times = {}
     for context in contexts:
-        ids = [rng.randrange(100, engine.spec.vocab_size) for _ in range(context + chunk)]
+        ids = [rng.randrange(100, engine.hparams.vocab_size) for _ in range(context + chunk)]
         rid = engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
         while engine.has_unfinished_requests():
             computed = engine.scheduler.requests[rid].num_computed_tokens
@@ -108,7 +108,7 @@ def main(args: argparse.Namespace) -> None:
         chunk = args.calibrate_chunk  # contexts where a chunk starts: multiples of the chunk size
         calibrate(config, chunk, sorted({max(1, round(c / chunk)) * chunk for c in (512, 1024, 2048, 4096, 6144, 7168)}))
     engine = LLMEngine(config)
-    print(f"model: {engine.spec.name or engine.checkpoint.path} ({engine.dtype}), threads: {torch.get_num_threads()}, "
+    print(f"model: {engine.hparams.name or engine.checkpoint.path} ({engine.dtype}), threads: {torch.get_num_threads()}, "
           f"step budget {engine.config.max_num_batched_tokens}")
     print(f"\nshort requests: one-line chat question, 2 output tokens, one every {args.interval} s")
     print(f"{'concurrent long prompt':>24} {'shorts':>6} {'TTFT p50 (s)':>12} {'p99 (s)':>8} {'max (s)':>8} "

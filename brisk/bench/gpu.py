@@ -68,7 +68,7 @@ def main(args) -> None:
     variants = [llm,
                 LLM.from_config(replace(config, num_scheduler_steps=1, kv_cache_memory_gib=4.0)),
                 LLM.from_config(replace(config, num_scheduler_steps=1, enforce_eager=True, kv_cache_memory_gib=4.0))]
-    vocab = llm.engine.spec.vocab_size
+    vocab = llm.engine.hparams.vocab_size
     bandwidth = memory_bandwidth(device)
     weights = weight_bytes(llm)
     floor_tps = bandwidth / weights

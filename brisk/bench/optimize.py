@@ -61,7 +61,8 @@ from tqdm import tqdm
 from brisk.args import config_flags, engine_config_from_args
 from brisk.bench.harness import brisk_serve, free_port, machine
 from brisk.bench.load import THROUGHPUTS, LoadReport, LoadRequest, latency_figure
-from brisk.bench.perplexity import DEFAULT_TEXT, perplexity
+from brisk.bench.perplexity import perplexity
+from brisk.config import DEFAULT_TEXT
 from brisk.bench.serve import load_settings, measure, workload
 from brisk.config import ConfigError, EngineConfig, ServerConfig, SpeculativeConfig, knobs
 from brisk.identity import content_digest, source_digest

@@ -17,11 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from brisk.config import DEFAULT_TEXT
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 
-# Pride and Prejudice as guidellm 0.2.1 ships it; `make install` unpacks it here.
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "data" / "prideandprejudice.txt"
 
 
 @dataclass(frozen=True)

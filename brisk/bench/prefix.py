@@ -50,7 +50,7 @@ def _run(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list, f
 def shared_system_prompt(llm: LLM, caching: bool, num_requests: int, system_len: int, question_len: int,
                          output_len: int, seed: int) -> PrefixResult:
     rng = random.Random(seed)
-    vocab = llm.engine.spec.vocab_size
+    vocab = llm.engine.hparams.vocab_size
     system = [rng.randrange(32, vocab) for _ in range(system_len)]
     prompts = [{"prompt_token_ids": system + [rng.randrange(32, vocab) for _ in range(question_len)]}
                for _ in range(num_requests)]

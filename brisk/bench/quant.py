@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 
 from brisk.args import engine_config_from_args
-from brisk.bench.perplexity import DEFAULT_TEXT, perplexity
+from brisk.bench.perplexity import perplexity
+from brisk.config import DEFAULT_TEXT
 from brisk.bench.throughput import make_prompts, run_brisk, single_stream_decode, weight_bytes
 from brisk.config import ConfigError, EngineConfig
 from brisk.kernels import cpu as cpu_kernels
@@ -167,7 +168,7 @@ def main(args) -> None:
     base_config = engine_config_from_args(args)
     checkpoint = open_checkpoint(base_config.model)  # the tokenizer and the shapes; no weights
     prompts = make_prompts(args.num_prompts or 2, args.min_prompt_len, args.max_prompt_len,
-                           checkpoint.spec.vocab_size, args.seed)
+                           checkpoint.hparams.vocab_size, args.seed)
     text_ids = None
     if args.perplexity_tokens:
         if not DEFAULT_TEXT.exists():

@@ -115,7 +115,7 @@ def profile(llm: LLM, batch_size: int, prompt_len: int, steps: int, params: Samp
     rng = random.Random(batch_size)
     budget = replace(params, max_tokens=2 * steps + 16, ignore_eos=True)
     for _ in range(batch_size):
-        engine.add_request([rng.randrange(32, engine.spec.vocab_size) for _ in range(prompt_len)], budget)
+        engine.add_request([rng.randrange(32, engine.hparams.vocab_size) for _ in range(prompt_len)], budget)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()  # prefill everything
     for _ in range(3):

@@ -47,7 +47,7 @@ def mask_milliseconds(llm: LLM, schema: dict, batch: int, steps: int = 20) -> tu
     """Filling and applying one step's masks for `batch` sequences at the start of `schema`."""
     engine = llm.engine
     grammars = [engine.grammars.grammar(StructuredOutputs(json=schema)) for _ in range(batch)]
-    vocab = engine.spec.vocab_size
+    vocab = engine.hparams.vocab_size
     logits, rows = torch.zeros(batch, vocab), torch.arange(batch)
     start = time.perf_counter()
     for _ in range(steps):

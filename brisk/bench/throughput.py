@@ -80,7 +80,7 @@ def weight_bytes(llm: LLM) -> int:
 
 def main(args) -> None:
     llm = LLM.from_config(engine_config_from_args(args))
-    vocab = llm.engine.spec.vocab_size
+    vocab = llm.engine.hparams.vocab_size
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.seed)
     print(f"model: {llm.engine.checkpoint.path} ({args.dtype}), threads: {torch.get_num_threads()}")
     print(f"workload: {len(prompts)} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens "

@@ -33,7 +33,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from brisk.cluster.replica import ReplicaDescription, ReplicaReport
-from brisk.engine.client import EngineClient, EngineDeadError, QueueLoad
+from brisk.transport.client import EngineClient, EngineDeadError, QueueLoad
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import validate_request
 from brisk.engine.stats import EngineSnapshot, StatLogger, combined_snapshot

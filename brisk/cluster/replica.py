@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from brisk.config import EngineConfig
-from brisk.engine.async_engine import AsyncEngine
-from brisk.engine.client import EngineDeadError, ModelInfo
+from brisk.transport.async_engine import AsyncEngine
+from brisk.transport.client import EngineDeadError, ModelInfo
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import EngineSnapshot, IterationStats
 from brisk.model.tokenizer import Tokenizer

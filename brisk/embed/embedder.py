@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from brisk.config import ConfigError, EmbeddingConfig
 from brisk.embed.batcher import BatchRecord, DynamicBatcher
-from brisk.embed.encoder import EncoderSpec, SentenceEncoder
+from brisk.embed.encoder import EncoderHParams, SentenceEncoder
 from brisk.embed.onnx_backend import OnnxEncoder, onnx_file
 
 logger = logging.getLogger("brisk.embed")
@@ -80,17 +80,17 @@ class Embedder:
             config = json.load(f)
         pooling, normalize = _modules(self.path)
         try:
-            self.spec = EncoderSpec.from_hf_config(config, pooling, normalize)
+            self.hparams = EncoderHParams.from_hf_config(config, pooling, normalize)
         except ValueError as e:
             raise ConfigError(f"{self.path}: {e}") from None
         self.name = DEFAULT_EMBEDDING_NAME if path is None else os.path.basename(os.path.normpath(path))
-        self.max_length = min(_max_seq_length(self.path) or self.spec.max_position_embeddings,
-                              self.spec.max_position_embeddings)
+        self.max_length = min(_max_seq_length(self.path) or self.hparams.max_position_embeddings,
+                              self.hparams.max_position_embeddings)
         self.tokenizer = tokenizers.Tokenizer.from_file(os.path.join(self.path, "tokenizer.json"))
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.max_length)
         self.pad_token_id = config.get("pad_token_id") or 0
-        encoder = SentenceEncoder(self.spec)
+        encoder = SentenceEncoder(self.hparams)
         encoder.load_weights(load_file(_weights_file(self.path)).items())
         self.backend = backend
         if backend == "torch":
@@ -110,7 +110,7 @@ class Embedder:
 
     @property
     def dimensions(self) -> int:
-        return self.spec.hidden_size
+        return self.hparams.hidden_size
 
     def tokenize(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Token ids of each text, [CLS] and [SEP] included, cut to max_length."""
@@ -130,8 +130,8 @@ class Embedder:
         for i, ids in enumerate(token_ids):
             if not ids:
                 raise ValueError(f"input {i} is empty")
-            if not all(0 <= t < self.spec.vocab_size for t in ids):
-                raise ValueError(f"input {i} has token ids outside the vocabulary [0, {self.spec.vocab_size})")
+            if not all(0 <= t < self.hparams.vocab_size for t in ids):
+                raise ValueError(f"input {i} has token ids outside the vocabulary [0, {self.hparams.vocab_size})")
             if len(ids) > self.max_length and not truncate:
                 raise InputTooLong(f"input {i} has {len(ids)} tokens; this model reads at most {self.max_length} "
                                    f"(pass truncate to cut it)")

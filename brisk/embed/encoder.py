@@ -26,7 +26,7 @@ POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len", "lasttoken")
 
 
 @dataclass(frozen=True)
-class EncoderSpec:
+class EncoderHParams:
     """What an encoder checkpoint is: its shapes, from config.json, and how it pools."""
 
     vocab_size: int
@@ -41,7 +41,7 @@ class EncoderSpec:
     normalize: bool  # unit-length output vectors
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], pooling: str, normalize: bool) -> "EncoderSpec":
+    def from_hf_config(cls, config: dict[str, Any], pooling: str, normalize: bool) -> "EncoderHParams":
         if config.get("model_type") not in ("bert", None) or config.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"brisk's encoder runs BERT models with GELU; this one is "
                              f"{config.get('model_type')!r} with {config.get('hidden_act')!r}")
@@ -61,7 +61,7 @@ class EncoderSpec:
 class EncoderLayer(nn.Module):
     """One post-LayerNorm BERT layer over the packed tokens; attention sees them padded."""
 
-    def __init__(self, spec: EncoderSpec):
+    def __init__(self, spec: EncoderHParams):
         super().__init__()
         self.num_heads, self.head_dim = spec.num_heads, spec.hidden_size // spec.num_heads
         h, eps = spec.hidden_size, spec.layer_norm_eps
@@ -87,9 +87,9 @@ class EncoderLayer(nn.Module):
 
 
 class SentenceEncoder(nn.Module):
-    def __init__(self, spec: EncoderSpec):
+    def __init__(self, spec: EncoderHParams):
         super().__init__()
-        self.spec = spec
+        self.hparams = spec
         h = spec.hidden_size
         self.word_embeddings = nn.Embedding(spec.vocab_size, h)
         self.position_embeddings = nn.Embedding(spec.max_position_embeddings, h)
@@ -118,7 +118,7 @@ class SentenceEncoder(nn.Module):
         """Token states [batch, length, hidden] (zeros where padded) -> [batch, hidden]. Pooling
         on the padded layout keeps every mode a plain reduction (no scatter with a reduction,
         which ONNX Runtime's CPU kernels lack in float16)."""
-        mode, lengths = self.spec.pooling, valid.sum(1)
+        mode, lengths = self.hparams.pooling, valid.sum(1)
         if mode in ("mean", "mean_sqrt_len"):
             divisor = lengths if mode == "mean" else lengths.sqrt()
             pooled = x.sum(1) / divisor.to(x.dtype)[:, None]
@@ -128,14 +128,14 @@ class SentenceEncoder(nn.Module):
             pooled = x[:, 0]
         else:  # lasttoken
             pooled = x[torch.arange(x.shape[0], device=x.device), lengths - 1]
-        return F.normalize(pooled, dim=-1) if self.spec.normalize else pooled
+        return F.normalize(pooled, dim=-1) if self.hparams.normalize else pooled
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """transformers' BertModel names -> ours (q/k/v stacked into qkv); every weight must come."""
         params = dict(self.named_parameters())
         rows_filled = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            target, rows = _our_name(hf_name.removeprefix("bert."), self.spec.hidden_size)
+            target, rows = _our_name(hf_name.removeprefix("bert."), self.hparams.hidden_size)
             if target is None:
                 continue
             if target not in params:

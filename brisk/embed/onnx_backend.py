@@ -156,7 +156,7 @@ def _cache_folder(folder: str, encoder: SentenceEncoder) -> str:
     weights = os.path.join(folder, "model.safetensors")
     stat = os.stat(weights)
     code = b"".join(Path(module).read_bytes() for module in (__file__, sys.modules[SentenceEncoder.__module__].__file__))
-    key = hashlib.sha256(f"{os.path.realpath(weights)}:{stat.st_size}:{stat.st_mtime_ns}:{encoder.spec}".encode()
+    key = hashlib.sha256(f"{os.path.realpath(weights)}:{stat.st_size}:{stat.st_mtime_ns}:{encoder.hparams}".encode()
                          + code).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return os.path.join(root, "brisk", "onnx", f"{os.path.basename(os.path.normpath(folder))}-{key}")

@@ -28,7 +28,7 @@ import torch
 
 from brisk.model.attention import AttentionMetadata
 from brisk.model.llama import LlamaForCausalLM
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

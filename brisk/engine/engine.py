@@ -16,7 +16,7 @@ import torch
 from brisk.config import ConfigError, EngineConfig
 from brisk.engine.cuda_graphs import capture_sizes
 from brisk.engine.kv_cache import KVCacheManager
-from brisk.quant.kv_cache import kv_bytes_per_token
+from brisk.kernels.kv_cache import kv_bytes_per_token
 from brisk.engine.output import OutputProcessor, RequestOutput
 from brisk.engine.request import Request, RequestStatus, validate_request
 from brisk.engine.runner import ModelRunner, RunnerOutput
@@ -38,9 +38,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.checkpoint = open_checkpoint(config.model)
-        self.spec = self.checkpoint.spec
+        self.hparams = self.checkpoint.hparams
         self.tokenizer = self.checkpoint.tokenizer
-        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        self.max_model_len = config.max_model_len or self.hparams.max_position_embeddings
         self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len, config.quantization,
                                 config.quantization_group_size, config.int8_activations)
         num_blocks = self._num_kv_blocks()  # after loading: on a GPU the cache gets what the weights leave
@@ -56,7 +56,7 @@ class LLMEngine:
                            if config.speculative_config is not None else None)
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.grammars = GrammarCompiler(self.tokenizer.backend, self.spec.vocab_size, self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.backend, self.hparams.vocab_size, self.tokenizer.eos_token_ids)
         self.stat_loggers: list[StatLogger] = []
         self._ids = itertools.count()
 
@@ -65,7 +65,7 @@ class LLMEngine:
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
         else:
-            s = self.spec
+            s = self.hparams
             bytes_per_token = kv_bytes_per_token(c.kv_cache_kind, s.num_layers, s.num_kv_heads, s.head_dim)
             # less one: the pool's scratch block (engine/runner.py) comes out of the same budget
             num_blocks = int(self._kv_cache_bytes() // (bytes_per_token * c.block_size)) - 1
@@ -93,7 +93,7 @@ class LLMEngine:
         (the fused q/k/v, the MLP's gate and up, a few of the hidden size), the logits of every
         sampled row with the sampler's copies of them, and a fixed allowance for cuBLAS'
         workspaces, Triton and the graphs' pool."""
-        s, c = self.spec, self.config
+        s, c = self.hparams, self.config
         per_token = 6 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 3 * s.intermediate_size
         logits = 4 * c.max_num_seqs * s.vocab_size
         return 4 * c.max_num_batched_tokens * per_token + logits + 2**30
@@ -137,7 +137,7 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises SamplingError naming what is wrong; returns the params to run the request with."""
-        return validate_request(token_ids, params, self.spec.vocab_size, self.max_model_len)
+        return validate_request(token_ids, params, self.hparams.vocab_size, self.max_model_len)
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
         """Each sequence walks its own copy of the request's compiled grammar."""

@@ -40,7 +40,7 @@ import torch
 from brisk.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.kernels.gpu import to_device, to_device_many
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.attention import AttentionMetadata, PrefillSpan
@@ -82,13 +82,13 @@ class _Batch:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, kv_cache_dtype: str, device: torch.device):
-        spec = model.spec
+        spec = model.hparams
         self.model = model
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
         self.vocab_size = spec.vocab_size
-        # One per layer, in the storage kind of quant/kv_cache.py; see model/attention.py for the layout.
+        # One per layer, in the storage kind of kernels/kv_cache.py; see model/attention.py for the layout.
         # The pool has one block more than the manager hands out: the padding rows of a CUDA graph
         # write there (engine/cuda_graphs.py).
         self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks + 1, spec.num_kv_heads, kv.block_size,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from brisk.quant.formats import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from functools import cache
 import torch
 
 from brisk.kernels.cpu import _wants_grad
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

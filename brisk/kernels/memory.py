@@ -15,7 +15,7 @@ tensors well under 2 MiB each. So the model's tensors are copied into one mappin
 advised and aligned. Where the kernel says no (THP `never`, another OS), the same mapping of
 4 KiB pages is used: nothing else changes.
 
-The KV cache is allocated here too (quant/kv_cache.py): decode attention streams it as the
+The KV cache is allocated here too (kernels/kv_cache.py): decode attention streams it as the
 products stream the weights.
 """
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 
 _MAX_SPLITS = 16
 

@@ -4,7 +4,7 @@ At decode a 135M-parameter model's step is bound by kernel launches, not bytes: 
 residual add and RMSNorm, RoPE on q and k, the K/V cache write and SiLU-and-multiply are some
 twenty small kernels per layer. Here they are four, one program per token (per token and head
 for RoPE), with the same float32 arithmetic as the torch code they replace (model/llama.py,
-model/rope.py, quant/kv_cache.py), which stays their reference.
+model/rope.py, kernels/kv_cache.py), which stays their reference.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def _rope_write_kernel(QKV, POSITIONS, COS, SIN, Q_NORM, K_NORM, Q_OUT, K, V, K_
         offset = tl.load(SLOT_OFFSETS + token)
         v = tl.load(row + H_KV * D + d).to(tl.float32)  # value head kv_head: H_KV heads after key head kv_head
         rotated = rotated.to(QKV.dtype.element_ty).to(tl.float32)  # the key as a float cache would hold it
-        if SCALED:  # int8 codes round(x / s), s = max|x| / 127, as quant/kv_cache.py
+        if SCALED:  # int8 codes round(x / s), s = max|x| / 127, as kernels/kv_cache.py
             k_scale = tl.max(tl.abs(rotated), 0) * (1.0 / 127.0)
             v_scale = tl.max(tl.abs(v), 0) * (1.0 / 127.0)
             rotated = _round_half_even(rotated * tl.where(k_scale > 0, 1.0 / k_scale, 0.0))

@@ -1,7 +1,7 @@
 """Paged attention over a pool of fixed-size KV blocks.
 
 On CPU it runs in the C kernels of brisk/kernels (fp32 and bf16 queries, a cache in any of
-quant/kv_cache.py's kinds), on GPUs in the Triton kernels (kernels/triton_attention.py: the
+kernels/kv_cache.py's kinds), on GPUs in the Triton kernels (kernels/triton_attention.py: the
 same kinds, every prefill chunk of a step in one launch); elsewhere (no C compiler, no Triton,
 shapes the kernels do not take) in the torch formulation below, which is also their reference
 in the tests.
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels import gpu as gpu_kernels
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""GGUF files: metadata -> ModelSpec, tensors -> HF-named weights, vocabulary -> Tokenizer.
+"""GGUF files: metadata -> HParams, tensors -> HF-named weights, vocabulary -> Tokenizer.
 
 The header is parsed here with `struct` rather than by `gguf.GGUFReader`, which took 5.7 s on the
 default model (it builds a numpy view per vocabulary string); this takes a fraction of a second.
@@ -21,7 +21,7 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks
-from brisk.model.spec import ModelSpec, gguf_architecture
+from brisk.model.hparams import HParams, gguf_architecture
 from brisk.model.tokenizer import Tokenizer
 
 _LAYER_TENSORS = {
@@ -139,11 +139,11 @@ class GGUFCheckpoint:
     def _field(self, key: str, default=None):
         return self.file.fields.get(key, default)
 
-    def spec(self) -> ModelSpec:
+    def hparams(self) -> HParams:
         a = self.arch
         num_heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
-        return ModelSpec(
+        return HParams(
             architecture=self.architecture.family,
             vocab_size=self._field(f"{a}.vocab_size") or len(self._field("tokenizer.ggml.tokens")),
             hidden_size=hidden,
@@ -175,7 +175,7 @@ class GGUFCheckpoint:
         """HF-named weights, dequantized to `dtype`; with keep_blocks, matrices stored in Q8_0,
         Q4_0 or Q4_1 come as QuantizedTensors of the file's own values instead (nothing rounded;
         see from_gguf_blocks)."""
-        spec = self.spec()
+        spec = self.hparams()
         for name, tensor in self.tensors.items():
             hf_name = _hf_name(name)
             kind = tensor.kind.name.lower()

@@ -24,9 +24,9 @@ from brisk.kernels import gpu as gpu_kernels
 from brisk.model.attention import AttentionMetadata, paged_attention, write_kv
 from brisk.model.linear import Linear, linear
 from brisk.model.rope import Rope, RotaryEmbedding
-from brisk.model.spec import ModelSpec
+from brisk.model.hparams import HParams
 from brisk.quant.formats import QuantizedTensor
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.quant.modules import QuantizedWeight, install_quantized
 
 
@@ -68,7 +68,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: HParams):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
@@ -105,7 +105,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: HParams):
         super().__init__()
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
@@ -115,7 +115,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: HParams):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
@@ -144,9 +144,9 @@ _SHARDS_OF = {fused: [hf for hf, (f, _) in _FUSED_SHARDS.items() if f == fused] 
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, max_len: int):
+    def __init__(self, spec: HParams, max_len: int):
         super().__init__()
-        self.spec = spec
+        self.hparams = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -195,8 +195,8 @@ class LlamaForCausalLM(nn.Module):
                     mlp.down_proj.kernel_weight(),
                     *((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else ())))
             self._decode_layers = cpu_kernels.DecodeLayers(
-                layers, self.norm.weight, self.rotary.cos, self.rotary.signed_sin, self.spec.num_heads,
-                self.spec.num_kv_heads, self.spec.rms_norm_eps)
+                layers, self.norm.weight, self.rotary.cos, self.rotary.signed_sin, self.hparams.num_heads,
+                self.hparams.num_kv_heads, self.hparams.rms_norm_eps)
         return self._decode_layers
 
     @property
@@ -282,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
-        s = self.spec
+        s = self.hparams
         if fused == "qkv_proj":
             q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]

@@ -1,6 +1,6 @@
 """Finds and opens a checkpoint: a local Hugging Face folder or a GGUF file.
 
-Either way the result is the same triple: a ModelSpec, a stream of HF-named weights and a
+Either way the result is the same triple: a HParams, a stream of HF-named weights and a
 Tokenizer, so the model and the engine never know which format they came from.
 """
 
@@ -19,7 +19,7 @@ import torch
 from brisk.kernels.memory import move_to_huge_pages
 from brisk.model.gguf_file import GGUFCheckpoint
 from brisk.model.llama import LlamaForCausalLM
-from brisk.model.spec import ModelSpec
+from brisk.model.hparams import HParams
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.checkpoint import QuantizedLayout, load_weights
 from brisk.quant.formats import GROUPED_FORMATS, QuantizedTensor
@@ -43,7 +43,7 @@ def default_model_path() -> str:
 class Checkpoint:
     path: str
     format: str  # "gguf" or "hf"
-    spec: ModelSpec
+    hparams: HParams
     tokenizer: Tokenizer
     # (dtype, device, keep_blocks) -> HF-named weights; keep_blocks: GGUF blocks stay quantized
     weights: Callable[[torch.dtype, torch.device, bool], Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]
@@ -57,7 +57,7 @@ def open_checkpoint(path: str | None) -> Checkpoint:
         return _open_hf_folder(path)
     if path.endswith(".gguf"):
         gguf_file = GGUFCheckpoint(path)
-        return Checkpoint(path, "gguf", gguf_file.spec(), gguf_file.tokenizer(), gguf_file.weights,
+        return Checkpoint(path, "gguf", gguf_file.hparams(), gguf_file.tokenizer(), gguf_file.weights,
                           quantization=_gguf_quantization(gguf_file))
     raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
@@ -81,7 +81,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                          f"to {quantization} with group size {group_size}: leave the quantization options out to "
                          f"run it as stored, or quantize the float checkpoint")
     with torch.device("meta"):
-        model = LlamaForCausalLM(checkpoint.spec, max_len)
+        model = LlamaForCausalLM(checkpoint.hparams, max_len)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)
     with torch.no_grad():
@@ -102,7 +102,7 @@ def _gguf_quantization(gguf_file: GGUFCheckpoint) -> str:
 
 def _open_hf_folder(folder: str) -> Checkpoint:
     config = _read_json(os.path.join(folder, "config.json"), required=True)
-    spec = ModelSpec.from_hf_config(config)
+    spec = HParams.from_hf_config(config)
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from brisk.model.spec import ModelSpec
+from brisk.model.hparams import HParams
 
 
-def rope_inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
+def rope_inverse_frequencies(spec: HParams) -> torch.Tensor:
     dim = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = spec.rope_scaling_dict
@@ -44,17 +44,17 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_len, indexed by each token's position."""
 
-    def __init__(self, spec: ModelSpec, max_len: int):
+    def __init__(self, spec: HParams, max_len: int):
         super().__init__()
-        self.spec, self.max_len = spec, max_len
+        self.hparams, self.max_len = spec, max_len
         self.cos = self.signed_sin = None
 
     def build(self, device: torch.device) -> None:
         """Computes the fp32 tables; separate from __init__ so modules built on `meta` get real ones."""
-        inv_freq = rope_inverse_frequencies(self.spec)
+        inv_freq = rope_inverse_frequencies(self.hparams)
         freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float64), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        half = self.spec.head_dim // 2
+        half = self.hparams.head_dim // 2
         # rotate_half(x) * sin == cat(x2, x1) * signed_sin with the sign folded into the table.
         signed_sin = torch.cat((-angles[:, :half].sin(), angles[:, half:].sin()), dim=-1)
         self.cos = angles.cos().float().to(device)

@@ -14,14 +14,14 @@ import torch
 
 from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 
 BLOCK_SIZE = 16  # of the scratch cache
 
 
 def forward_sequences(model: LlamaForCausalLM, token_lists: list[list[int]]) -> torch.Tensor:
     """[sum of lengths, hidden]: each sequence's final hidden states, in order, from position 0."""
-    device, spec = model.norm.weight.device, model.spec
+    device, spec = model.norm.weight.device, model.hparams
     input_ids, positions, meta = _prefill_batch(token_lists, device)
     kind = str(model.norm.weight.dtype).removeprefix("torch.")
     blocks = sum(_blocks(len(tokens)) for tokens in token_lists)

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from brisk.cache.response_cache import ResponseCache
 from brisk.config import ConfigError, EmbeddingConfig, ResponseCacheConfig, ServerConfig
 from brisk.embed.embedder import Embedder
-from brisk.engine.client import EngineClient
+from brisk.transport.client import EngineClient
 from brisk.server.embedding_api import EmbeddingServing, embedding_router
 from brisk.server.errors import ErrorResponse, error_body, install_error_handlers
 from brisk.server.live import LiveStats

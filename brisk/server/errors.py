@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from brisk.engine.client import EngineDeadError
+from brisk.transport.client import EngineDeadError
 from brisk.sampling_params import SamplingError
 
 logger = logging.getLogger("brisk.server")

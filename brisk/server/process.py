@@ -17,7 +17,7 @@ import signal
 import uvicorn
 
 from brisk.config import ServerConfig
-from brisk.engine.client import EngineClient
+from brisk.transport.client import EngineClient
 
 # Once the engine has ended every request, how long responses get to send their last bytes.
 _FLUSH_SECONDS = 5.0

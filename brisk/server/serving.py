@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from brisk.config import ServerConfig
-from brisk.engine.client import EngineClient, EngineDeadError
+from brisk.transport.client import EngineClient, EngineDeadError
 from brisk.engine.output import RequestOutput
 from brisk.model.tokenizer import continue_final_message
 from brisk.sampling_params import SamplingError, SamplingParams

@@ -58,9 +58,9 @@ class DraftModelDrafter:
             raise ConfigError(f"speculative_config.model {name!r} has another tokenizer than the model: "
                               f"a draft model must share it")
         model = load_model(checkpoint, config.torch_dtype, config.torch_device, max_model_len, quantization)
-        if model.spec.vocab_size != target.spec.vocab_size:
-            raise ConfigError(f"speculative_config.model {name!r} has {model.spec.vocab_size} logits, the model "
-                              f"{target.spec.vocab_size}")
+        if model.hparams.vocab_size != target.hparams.vocab_size:
+            raise ConfigError(f"speculative_config.model {name!r} has {model.hparams.vocab_size} logits, the model "
+                              f"{target.hparams.vocab_size}")
         kv = KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=False)
         return cls(ModelRunner(model, kv, config.kv_cache_kind, config.torch_device), kv)
 

@@ -63,7 +63,7 @@ class BaseModelFingerprint:
     @classmethod
     @torch.no_grad()
     def of(cls, model: LlamaForCausalLM, model_path: str) -> BaseModelFingerprint:
-        spec = model.spec
+        spec = model.hparams
         device = model.norm.weight.device
         rows = torch.linspace(0, spec.vocab_size - 1, _FINGERPRINT_ROWS, device=device).long()
         return cls(
@@ -139,7 +139,7 @@ class MedusaHeads(nn.Module):
         """Untrained heads for this model: each gives exactly the LM head's logits."""
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        spec = model.spec
+        spec = model.hparams
         config = MedusaConfig(num_heads, spec.hidden_size, spec.vocab_size, BaseModelFingerprint.of(model, model_path))
         return cls(config).to(model.norm.weight.device)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.quant.kv_cache import kv_bytes_per_token
+from brisk.kernels.kv_cache import kv_bytes_per_token
 from tests.conftest import assert_no_leaks, hf_greedy, load_hf_reference
 from tests.engine.test_real_model_parity import GREEDY_64, QUESTIONS
 from tests.helpers import brisk_logits, hf_logits
@@ -108,7 +108,7 @@ def test_gpu_defaults_bf16_and_a_cache_sized_from_gpu_memory(real_model_path, gp
     llm = LLM(real_model_path, device="cuda", gpu_memory_utilization=0.3, max_model_len=2048)
     engine = llm.engine
     assert engine.dtype == torch.bfloat16 and engine.config.kv_cache_kind == "bfloat16"
-    s = engine.spec
+    s = engine.hparams
     cache_bytes = engine.kv.num_blocks * engine.kv.block_size * kv_bytes_per_token("bfloat16", s.num_layers,
                                                                                    s.num_kv_heads, s.head_dim)
     budget = 0.3 * total - (total - free_before)

@@ -12,7 +12,7 @@ from brisk.kernels import cpu as cpu_kernels
 from brisk.model import attention
 from brisk.model.attention import AttentionMetadata, PrefillSpan, write_kv
 from brisk.model.rope import Rope
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 from tests.helpers import require_c_compiler
 
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import torch
 
 from brisk import LLM, SamplingParams
 from brisk.kernels.memory import HUGE_PAGE, huge_page_buffer, huge_page_zeros, move_to_huge_pages
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 from tests.conftest import build_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

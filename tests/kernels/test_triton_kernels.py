@@ -26,7 +26,7 @@ from brisk.kernels import triton_attention, triton_layer_ops, triton_quant  # no
 from brisk.model.attention import AttentionMetadata, PrefillSpan, _decode_attention_torch, _prefill_attention  # noqa: E402
 from brisk.model.rope import Rope  # noqa: E402
 from brisk.quant.formats import quantize  # noqa: E402
-from brisk.quant.kv_cache import KVCacheLayer  # noqa: E402
+from brisk.kernels.kv_cache import KVCacheLayer  # noqa: E402
 from tests.conftest import build_tiny_checkpoint  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

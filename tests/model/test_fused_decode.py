@@ -13,7 +13,7 @@ from brisk import LLM, SamplingParams
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.kernels import cpu as cpu_kernels
-from brisk.quant.kv_cache import KVCacheLayer
+from brisk.kernels.kv_cache import KVCacheLayer
 from tests.conftest import TINY_VOCAB
 from tests.helpers import require_c_compiler
 
@@ -64,7 +64,7 @@ def test_fused_decode_step_matches_layer_by_layer(tiny_model_dir, dtype, kv_cach
     monkeypatch.setattr(cpu_kernels, "decode_layers_available", lambda weight, cache: False)
     layered = _forward(engine, decodes)
 
-    assert fused.dtype == layered.dtype and fused.shape == layered.shape == (4, engine.spec.hidden_size)
+    assert fused.dtype == layered.dtype and fused.shape == layered.shape == (4, engine.hparams.hidden_size)
     assert (fused.float() - layered.float()).abs().max().item() < tolerance
     everything = torch.arange(64)
     for cache, fused_tensors, saved in zip(engine.runner.kv_caches, fused_caches, before):

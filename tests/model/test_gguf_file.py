@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from brisk.model.gguf_file import GGUFCheckpoint, GGUFFile, dequantize
-from brisk.model.spec import ARCHITECTURES, ModelSpec
+from brisk.model.hparams import ARCHITECTURES, HParams
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -115,12 +115,12 @@ def test_spec_from_metadata_carries_the_family_flags_of_the_hf_path(tmp_path, ar
     name = architecture.gguf_name
     path = _write(tmp_path / "m.gguf", name, _model_fields(name),
                   tensors={"token_embd.weight": (_random(96, 64), Q.F32)})
-    spec = GGUFCheckpoint(path).spec()
-    assert spec == ModelSpec(architecture=architecture.family, vocab_size=96, hidden_size=64, intermediate_size=96,
+    spec = GGUFCheckpoint(path).hparams()
+    assert spec == HParams(architecture=architecture.family, vocab_size=96, hidden_size=64, intermediate_size=96,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=0.5,
                              rope_theta=50000.0, max_position_embeddings=512, tie_word_embeddings=True,
                              attention_bias=architecture.attention_bias, qk_norm=architecture.qk_norm, name="tiny")
-    hf = ModelSpec.from_hf_config({"architectures": list(architecture.hf_classes), "vocab_size": 96,
+    hf = HParams.from_hf_config({"architectures": list(architecture.hf_classes), "vocab_size": 96,
                                    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                                    "num_attention_heads": 4, "num_key_value_heads": 2})
     assert (hf.architecture, hf.attention_bias, hf.qk_norm) == (spec.architecture, spec.attention_bias, spec.qk_norm)
@@ -135,17 +135,17 @@ def test_family_flags_are_those_of_the_models():
 def test_an_hf_config_may_override_the_family_bias():
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 2, "num_attention_heads": 4, "attention_bias": True}
-    assert ModelSpec.from_hf_config(config).attention_bias
+    assert HParams.from_hf_config(config).attention_bias
 
 
 def test_linear_rope_scaling_is_read_and_others_refused(tmp_path):
     linear = _write(tmp_path / "linear.gguf", "llama", _model_fields(
         "llama", **{"llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (4.0, V.FLOAT32)}))
-    assert GGUFCheckpoint(linear).spec().rope_scaling_dict == {"factor": 4.0, "rope_type": "linear"}
+    assert GGUFCheckpoint(linear).hparams().rope_scaling_dict == {"factor": 4.0, "rope_type": "linear"}
     yarn = _write(tmp_path / "yarn.gguf", "llama", _model_fields(
         "llama", **{"llama.rope.scaling.type": ("yarn", V.STRING)}))
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
-        GGUFCheckpoint(yarn).spec()
+        GGUFCheckpoint(yarn).hparams()
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

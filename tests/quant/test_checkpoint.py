@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from brisk import LLM
 from brisk.cli import main
-from brisk.engine.client import ModelInfo
+from brisk.transport.client import ModelInfo
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.sampling_params import SamplingParams
 from tests.conftest import build_tiny_checkpoint
@@ -59,7 +59,7 @@ def test_quantized_folder_reloads_to_identical_outputs(real_model_path, int4_fol
 @pytest.mark.real_model
 def test_quantized_folder_keeps_the_tokenizer_and_config(real_model_path, int4_folder):
     source, saved = open_checkpoint(real_model_path), open_checkpoint(int4_folder)
-    assert saved.spec == source.spec
+    assert saved.hparams == source.hparams
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <3, ünïcode?"}]
     assert saved.tokenizer.encode_chat(messages) == source.tokenizer.encode_chat(messages)
     assert saved.tokenizer.eos_token_ids == source.tokenizer.eos_token_ids

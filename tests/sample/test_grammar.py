@@ -84,7 +84,7 @@ def test_constraints_past_the_size_limit_are_refused():
 @pytest.mark.real_model
 def test_the_mask_allows_exactly_the_tokens_the_grammar_accepts(real_llm):
     tokenizer = real_llm.tokenizer
-    vocab = real_llm.engine.spec.vocab_size
+    vocab = real_llm.engine.hparams.vocab_size
     compiler = GrammarCompiler(tokenizer.backend, vocab, tokenizer.eos_token_ids)
     digits, choice = (compiler.grammar(StructuredOutputs(regex="[0-9]{2,4}")),
                       compiler.grammar(StructuredOutputs(choice=["Paris", "London"])))

@@ -19,9 +19,9 @@ import pytest
 import uvicorn
 
 from brisk.config import EngineConfig, ServerConfig
-from brisk.engine.async_engine import AsyncEngine
-from brisk.engine.client import EngineClient
-from brisk.engine.core_process import ProcessEngine
+from brisk.transport.async_engine import AsyncEngine
+from brisk.transport.client import EngineClient
+from brisk.transport.core_process import ProcessEngine
 from brisk.server.app import build_app
 from tests.conftest import build_tiny_checkpoint
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from brisk.config import EngineConfig
-from brisk.engine.client import EngineClient, EngineDeadError
-from brisk.engine.core_process import ProcessEngine
+from brisk.transport.client import EngineClient, EngineDeadError
+from brisk.transport.core_process import ProcessEngine
 from brisk.sampling_params import SamplingParams
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import metric_values

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from brisk.config import EngineConfig
-from brisk.engine.async_engine import AsyncEngine
+from brisk.transport.async_engine import AsyncEngine
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import metric_values
 from tests.server.conftest import running_server

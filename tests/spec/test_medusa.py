@@ -20,8 +20,8 @@ from brisk.config import ConfigError
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.spec.medusa import CONFIG_FILE, HeadAccuracy, MedusaHeads, MedusaModelMismatch
 from brisk.spec.medusa_drafter import TreeNode, candidate_tree
-from brisk.spec.medusa_train import Features, MedusaTrainConfig, _targets, train_medusa
-from brisk.spec.prompts import Transcript
+from brisk.training.medusa import Features, MedusaTrainConfig, _targets, train_medusa
+from brisk.training.prompts import Transcript
 from tests.conftest import assert_no_leaks, build_tiny_checkpoint
 
 # One untied and one tied LM head: both are what `compute_logits` multiplies by.
@@ -48,10 +48,10 @@ def _random_heads(model, path: str, num_heads: int = 3) -> MedusaHeads:
 @pytest.mark.parametrize("rows", [1, 5, 40])  # the LM head's few-row C kernel and BLAS
 def test_untrained_heads_give_the_lm_heads_logits(tiny_model_dir, rows):
     model = _model(tiny_model_dir)
-    hidden = torch.randn(rows, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(rows, model.hparams.hidden_size, generator=torch.Generator().manual_seed(0))
     heads = MedusaHeads.for_model(model, tiny_model_dir, num_heads=4)
     logits = heads.logits(model, hidden)
-    assert logits.shape == (4, rows, model.spec.vocab_size)
+    assert logits.shape == (4, rows, model.hparams.vocab_size)
     for k in range(4):
         torch.testing.assert_close(logits[k], model.compute_logits(hidden), rtol=1e-5, atol=1e-5)
 
@@ -61,7 +61,7 @@ def test_untrained_heads_give_the_lm_heads_logits(tiny_model_dir, rows):
 def test_each_head_is_a_residual_block_through_the_lm_head(tiny_model_dir, rows):
     model = _model(tiny_model_dir)
     heads = _random_heads(model, tiny_model_dir)
-    hidden = torch.randn(rows, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(rows, model.hparams.hidden_size, generator=torch.Generator().manual_seed(0))
     logits = heads.logits(model, hidden)
     for k in range(heads.num_heads):
         expected = hidden + torch.nn.functional.silu(hidden @ heads.weight[k].T + heads.bias[k])
@@ -75,7 +75,7 @@ def test_save_and_load_give_identical_logits(tiny_model_dir, tmp_path):
     heads = _random_heads(model, tiny_model_dir)
     heads.save(str(tmp_path / "heads"))
     loaded = MedusaHeads.load(str(tmp_path / "heads"), model, tiny_model_dir)
-    hidden = torch.randn(6, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(6, model.hparams.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # both through the same (inference) kernels
         assert torch.equal(loaded.logits(model, hidden), heads.logits(model, hidden))
     assert loaded.config == heads.config

@@ -10,11 +10,11 @@ import pytest
 from brisk import SamplingParams, StructuredOutputs
 from brisk.bench.workloads import chat_prompts, copy_prompts
 from brisk.config import EngineConfig, SpeculativeConfig
-from brisk.distill.data import DEFAULT_CORPUS
-from brisk.distill.train import DistillConfig, distill
+from brisk.training.distill.data import DEFAULT_CORPUS
+from brisk.training.distill.train import DistillConfig, distill
 from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.medusa_drafter import MedusaDrafter
-from brisk.spec.medusa_train import MedusaTrainConfig, train_medusa
+from brisk.training.medusa import MedusaTrainConfig, train_medusa
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
 from tests.conftest import assert_no_leaks

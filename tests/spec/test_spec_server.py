@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from brisk.config import EngineConfig
-from brisk.engine.core_process import ProcessEngine
+from brisk.transport.core_process import ProcessEngine
 from tests.conftest import TINY_VOCAB, build_tiny_checkpoint
 from tests.helpers import metric_values
 from tests.server.conftest import running_server

@@ -1,6 +1,6 @@
-"""ModelSpec: what a checkpoint is (shapes, RoPE, norms), read from config.json or GGUF metadata.
+"""HParams: what a checkpoint is (shapes, RoPE, norms), read from config.json or GGUF metadata.
 
-This is a description of the weights, not a knob: EngineConfig says how to run, ModelSpec says
+This is a description of the weights, not a knob: EngineConfig says how to run, HParams says
 what is being run.
 """
 
@@ -14,7 +14,7 @@ class Architecture:
     """One model family served by the Llama-style implementation: how each checkpoint format
     names it, and what it changes in the shared layers. Both loaders read ARCHITECTURES."""
 
-    family: str  # ModelSpec.architecture
+    family: str  # HParams.architecture
     hf_classes: tuple[str, ...]  # entries of config.json's `architectures`
     gguf_name: str | None  # `general.architecture` of GGUF files; None: llama.cpp writes it as another family
     attention_bias: bool = False  # biases on the q/k/v projections (an HF config may say otherwise)
@@ -48,7 +48,7 @@ def gguf_architecture(name: str) -> Architecture:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class HParams:
     architecture: str  # an Architecture's family
     vocab_size: int
     hidden_size: int
@@ -71,7 +71,7 @@ class ModelSpec:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelSpec":
+    def from_hf_config(cls, config: dict[str, Any]) -> "HParams":
         arch = hf_architecture(config.get("architectures") or [])
         num_heads = config["num_attention_heads"]
         rope_scaling = config.get("rope_scaling") or config.get("rope_parameters")

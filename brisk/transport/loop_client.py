@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from brisk.engine.client import EngineClient, EngineDeadError, ModelInfo, QueueLoad
-from brisk.engine.core_loop import AbortAll, AbortRequest, AddRequest, Call, CallReply, Command, StepOutputs
+from brisk.transport.client import EngineClient, EngineDeadError, ModelInfo, QueueLoad
+from brisk.transport.core_loop import AbortAll, AbortRequest, AddRequest, Call, CallReply, Command, StepOutputs
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import validate_request

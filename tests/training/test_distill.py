@@ -13,10 +13,10 @@ import torch
 
 from brisk import LLM, SamplingParams
 from brisk.config import ConfigError
-from brisk.distill.data import TeacherData, greedy_tokens
-from brisk.distill.evaluate import agreement
-from brisk.distill.student import candidate_layers, with_layers
-from brisk.distill.train import STATE_DIR, DistillConfig, Trainer, distill, distillation_loss
+from brisk.training.distill.data import TeacherData, greedy_tokens
+from brisk.bench.students import agreement
+from brisk.training.distill.student import candidate_layers, with_layers
+from brisk.training.distill.train import STATE_DIR, DistillConfig, Trainer, distill, distillation_loss
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.model.sequences import forward_sequences
 from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint
@@ -140,7 +140,7 @@ def test_a_narrower_student_trains_and_drafts_with_the_teachers_greedy_output(te
     assert sum(v[1] for v in losses[-5:]) < 0.9 * sum(v[1] for v in losses[:5])  # the KL term falls
     spec = LLM(teacher_dir, dtype="float32", max_model_len=64, num_kv_blocks=64,
                speculative_config={"model": out, "num_speculative_tokens": 3, "disable_by_batch_size": 8})
-    assert spec.engine.speculator.drafter.runner.model.spec.hidden_size == 32
+    assert spec.engine.speculator.drafter.runner.model.hparams.hidden_size == 32
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 9 + i, 12]} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = LLM(teacher_dir, dtype="float32", max_model_len=64, num_kv_blocks=64).generate(prompts, params,

@@ -1,7 +1,7 @@
 """What a student learns from: sequences and the teacher's next-token distribution along them.
 
 Two kinds of text, both needed. The teacher's own answers to the chat prompts of
-brisk/spec/prompts.py are what a served student (or a draft model) will be asked to write, and
+brisk/training/prompts.py are what a served student (or a draft model) will be asked to write, and
 in a greedy answer every token is the teacher's argmax, so next-token agreement is learned
 directly. A real corpus (Pride and Prejudice, which `make install` fetches) adds hundreds of
 thousands of tokens of varied English the answers alone could not cover. Both are split once, by
@@ -23,11 +23,11 @@ from typing import Callable
 
 import torch
 
-from brisk.bench.perplexity import DEFAULT_TEXT
+from brisk.config import DEFAULT_TEXT
 from brisk.llm import LLM
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.sequences import forward_sequences, packs
-from brisk.spec.prompts import Transcript, answer_prompts, training_prompts
+from brisk.training.prompts import Transcript, answer_prompts, training_prompts
 
 DEFAULT_CORPUS = DEFAULT_TEXT  # Pride and Prejudice, as `brisk eval perplexity` scores it
 _TOKENS_PER_FORWARD = 2048  # teacher forwards pack sequences up to about this many tokens

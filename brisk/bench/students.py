@@ -24,8 +24,8 @@ from brisk.bench.perplexity import perplexity
 from brisk.bench.throughput import run_brisk, single_stream_decode, weight_bytes
 from brisk.bench.workloads import chat_prompts
 from brisk.config import ConfigError
-from brisk.distill.data import TeacherData, greedy_tokens
-from brisk.distill.train import STATE_DIR
+from brisk.training.distill.data import TeacherData, greedy_tokens
+from brisk.training.distill.train import STATE_DIR
 from brisk.llm import LLM
 
 
@@ -76,7 +76,7 @@ def main(args) -> None:
         model = llm.engine.model
         greedy = reference if name == "teacher" else greedy_tokens(model, text + answers)
         ppl = perplexity(llm, data.heldout_text, args.context_len, args.stride)
-        spec = model.spec
+        spec = model.hparams
         rows[name] = Row(name, f"{spec.num_layers} x {spec.hidden_size} x {spec.intermediate_size}", sum(p.numel() for p in model.parameters()), weight_bytes(llm),
                          ppl.perplexity, agreement(reference[:len(text)], greedy[:len(text)], firsts[:len(text)]),
                          agreement(reference[len(text):], greedy[len(text):], firsts[len(text):]), [], [])

@@ -1,6 +1,6 @@
 """Medusa training by self-distillation: the frozen model writes its own training text.
 
-1. generate: the model answers the prompts of spec/prompts.py through its chat template, with
+1. generate: the model answers the prompts of training/prompts.py through its chat template, with
    brisk's engine (continuous batching), so no data is downloaded and the heads learn the
    model's own way of writing, which is what they will be asked to guess.
 2. features: one no-grad forward per pack of whole sequences (prompt + answer) through a scratch
@@ -35,7 +35,7 @@ from brisk.llm import LLM
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.sequences import forward_sequences, packs
 from brisk.spec.medusa import HeadAccuracy, MedusaHeads
-from brisk.spec.prompts import PROMPTS, Transcript, answer_prompts, training_prompts
+from brisk.training.prompts import PROMPTS, Transcript, answer_prompts, training_prompts
 
 TOP_K_SCORED = 10  # HeadAccuracy keeps top-1 .. top-10 per head
 _TEACHER_TOKENS = 32  # the teacher's most likely tokens kept per position (soft targets)
@@ -50,7 +50,7 @@ class MedusaTrainConfig:
 
     num_heads: int = knob(4, "Medusa heads to train; head k guesses the token k + 2 places ahead.")
     num_prompts: int | None = knob(None, "Prompts the model answers (taken round-robin over the categories of "
-                                          "brisk/spec/prompts.py); default: all of them.")
+                                          "brisk/training/prompts.py); default: all of them.")
     max_new_tokens: int = knob(256, "Longest answer the model writes to each prompt, in tokens.")
     # Heads trained on greedy answers guessed as well or better on held-out answers of both
     # kinds (head 0 top-1 on answers sampled at 0.7: 23% against 20% for heads trained on sampled
@@ -69,7 +69,7 @@ class MedusaTrainConfig:
         checks = (
             ("num_heads", self.num_heads >= 1, "must be >= 1"),
             ("num_prompts", self.num_prompts is None or 2 <= self.num_prompts <= available,
-             f"must be in 2..{available} (the prompts shipped in brisk/spec/prompts.py)"),
+             f"must be in 2..{available} (the prompts shipped in brisk/training/prompts.py)"),
             ("max_new_tokens", self.max_new_tokens >= 2, "must be >= 2"),
             ("temperature", 0 <= self.temperature <= 2, "must be in [0, 2]"),
             ("steps", self.steps >= 1, "must be >= 1"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from brisk import LLM
-from brisk.distill.student import measure_width, with_layers, write_student
+from brisk.training.distill.student import measure_width, with_layers, write_student
 from brisk.model.loader import load_model, open_checkpoint
 from tests.conftest import load_hf_reference
 from tests.helpers import brisk_logits, hf_logits
@@ -34,7 +34,7 @@ def test_a_student_is_the_teacher_without_the_other_layers(tiny_model_dir, tmp_p
     expected = hf_logits(teacher, PROMPT)
     torch.testing.assert_close(hf_logits(student_hf, PROMPT), expected, rtol=0, atol=0)
     student = LLM(str(tmp_path / "student"), dtype="float32", max_model_len=64, num_kv_blocks=32)
-    assert student.engine.spec.num_layers == len(layers)
+    assert student.engine.hparams.num_layers == len(layers)
     assert (brisk_logits(student.engine, PROMPT) - expected).abs().max().item() < 1e-4
 
 
@@ -43,7 +43,7 @@ def test_bad_layer_lists_are_refused(tiny_model_dir):
     for layers in ([], [1, 0], [0, 0], [2], [-1]):
         with pytest.raises(ValueError, match="layers must be increasing"):
             with_layers(model, layers)
-    assert model.spec.num_layers == 2 and len(model.layers) == 2  # the teacher is left as it was
+    assert model.hparams.num_layers == 2 and len(model.layers) == 2  # the teacher is left as it was
 
 
 def _with_dead_width(folder: str, out: str, dead_channels: torch.Tensor, dead_neurons: list[torch.Tensor]):
@@ -66,7 +66,7 @@ def _with_dead_width(folder: str, out: str, dead_channels: torch.Tensor, dead_ne
 
 
 def test_a_narrower_student_keeps_the_live_channels_and_neurons(tiny_model_dir, tmp_path):
-    spec = open_checkpoint(tiny_model_dir).spec
+    spec = open_checkpoint(tiny_model_dir).hparams
     g = torch.Generator().manual_seed(0)
     dead_channels = torch.randperm(spec.hidden_size, generator=g)[:spec.hidden_size // 2].sort().values
     dead_neurons = [torch.randperm(spec.intermediate_size, generator=g)[:spec.intermediate_size // 3].sort().values
@@ -97,6 +97,6 @@ def test_a_narrower_student_keeps_the_live_channels_and_neurons(tiny_model_dir, 
 
 def test_widths_outside_the_model_are_refused(tiny_model_dir):
     model = load_model(open_checkpoint(tiny_model_dir), torch.float32, torch.device("cpu"), max_len=16)
-    for hidden, intermediate in ((0, 32), (model.spec.hidden_size + 1, 32), (32, model.spec.intermediate_size + 1)):
+    for hidden, intermediate in ((0, 32), (model.hparams.hidden_size + 1, 32), (32, model.hparams.intermediate_size + 1)):
         with pytest.raises(ValueError, match="a narrower student keeps 1 to"):
             measure_width(model, [PROMPT], hidden, intermediate)

@@ -42,17 +42,17 @@ from pathlib import Path
 
 import brisk
 from brisk.config import EngineConfig
-from brisk.engine.client import EngineDeadError, ModelInfo
-from brisk.engine.core_loop import CallReply, Command, EngineLoop, Inbox, StepOutputs
+from brisk.transport.client import EngineDeadError, ModelInfo
+from brisk.transport.core_loop import CallReply, Command, EngineLoop, Inbox, StepOutputs
 from brisk.engine.engine import LLMEngine
-from brisk.engine.loop_client import LoopClient
+from brisk.transport.loop_client import LoopClient
 from brisk.model.loader import open_checkpoint
 
 logger = logging.getLogger("brisk.engine.core")
 
-# Not `python -m brisk.engine.core_process`: as __main__ the module's classes would pickle as
+# Not `python -m brisk.transport.core_process`: as __main__ the module's classes would pickle as
 # `__main__.CoreReady`, which the API process cannot find.
-_CORE_MAIN = "import sys; from brisk.engine.core_process import main; sys.exit(main(sys.argv[1:]))"
+_CORE_MAIN = "import sys; from brisk.transport.core_process import main; sys.exit(main(sys.argv[1:]))"
 
 
 # ----- messages: API process -> core (besides the loop's Commands) ---------------------------------

@@ -49,12 +49,12 @@ WIDTH_MULTIPLE = 32  # the smallest quantization group (GGUF's and int4's): kept
 
 def with_layers(model: LlamaForCausalLM, layers: list[int]) -> LlamaForCausalLM:
     """The model with only `layers` (in order, renumbered 0..K-1), sharing its weights."""
-    if not layers or sorted(set(layers)) != layers or layers[0] < 0 or layers[-1] >= model.spec.num_layers:
-        raise ValueError(f"layers must be increasing indices below {model.spec.num_layers}, got {layers}")
+    if not layers or sorted(set(layers)) != layers or layers[0] < 0 or layers[-1] >= model.hparams.num_layers:
+        raise ValueError(f"layers must be increasing indices below {model.hparams.num_layers}, got {layers}")
     student = copy.copy(model)  # the modules are shared; only the layer list and spec differ
     student._modules = dict(model._modules)
     student.layers = torch.nn.ModuleList(model.layers[i] for i in layers)
-    student.spec = replace(model.spec, num_layers=len(layers))
+    student.hparams = replace(model.hparams, num_layers=len(layers))
     student._decode_layers = None
     return student
 
@@ -72,7 +72,7 @@ def candidate_layers(num_layers: int, keep: int) -> list[list[int]]:
 @torch.no_grad()
 def choose_layers(model: LlamaForCausalLM, keep: int, cost: Callable[[LlamaForCausalLM], float]) -> list[int]:
     """The candidate (candidate_layers) whose student costs least by `cost` (lower is better)."""
-    return min(candidate_layers(model.spec.num_layers, keep), key=lambda layers: cost(with_layers(model, layers)))
+    return min(candidate_layers(model.hparams.num_layers, keep), key=lambda layers: cost(with_layers(model, layers)))
 
 
 def write_student(model: LlamaForCausalLM, layers: list[int], tokenizer: Tokenizer, out: str,
@@ -81,7 +81,7 @@ def write_student(model: LlamaForCausalLM, layers: list[int], tokenizer: Tokeniz
     those layers), as a float Hugging Face folder: config.json, model.safetensors and the
     teacher's tokenizer."""
     student = with_layers(model, layers)
-    spec, weights = student.spec, student.hf_weights()
+    spec, weights = student.hparams, student.hf_weights()
     if width is not None:
         spec = replace(spec, hidden_size=width.hidden, intermediate_size=width.intermediate)
         weights = narrowed(weights, width)
@@ -109,7 +109,7 @@ class Width:
 def measure_width(model: LlamaForCausalLM, sequences: list[list[int]], hidden: int, intermediate: int) -> Width:
     """The `hidden` residual channels and, per layer, `intermediate` MLP neurons of `model` that
     matter most on `sequences` (see the module docstring)."""
-    spec = model.spec
+    spec = model.hparams
     if not 0 < hidden <= spec.hidden_size or not 0 < intermediate <= spec.intermediate_size:
         raise ValueError(f"a narrower student keeps 1 to {spec.hidden_size} channels and 1 to "
                          f"{spec.intermediate_size} neurons, not {hidden} and {intermediate}")

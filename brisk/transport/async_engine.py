@@ -13,10 +13,10 @@ from __future__ import annotations
 import threading
 
 from brisk.config import EngineConfig
-from brisk.engine.client import EngineDeadError, ModelInfo
-from brisk.engine.core_loop import Command, EngineLoop, Inbox
+from brisk.transport.client import EngineDeadError, ModelInfo
+from brisk.transport.core_loop import Command, EngineLoop, Inbox
 from brisk.engine.engine import LLMEngine
-from brisk.engine.loop_client import LoopClient, RequestStream
+from brisk.transport.loop_client import LoopClient, RequestStream
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from brisk import SamplingParams
-from brisk.engine.async_engine import AsyncEngine
+from brisk.transport.async_engine import AsyncEngine
 from brisk.sampling_params import OutputKind, SamplingError
 from tests.conftest import assert_no_leaks
 

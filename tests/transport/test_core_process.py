@@ -16,9 +16,9 @@ import pytest
 
 import brisk
 from brisk.config import ConfigError, EngineConfig
-from brisk.engine.async_engine import AsyncEngine
-from brisk.engine.client import EngineDeadError, QueueLoad
-from brisk.engine.core_process import ProcessEngine
+from brisk.transport.async_engine import AsyncEngine
+from brisk.transport.client import EngineDeadError, QueueLoad
+from brisk.transport.core_process import ProcessEngine
 from brisk.sampling_params import OutputKind, SamplingError, SamplingParams
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import break_the_runner
@@ -196,7 +196,7 @@ def test_a_core_that_cannot_build_its_engine_raises_its_error(tiny_folder):
 _PARENT = """
 import sys, time
 from brisk.config import EngineConfig
-from brisk.engine.core_process import ProcessEngine
+from brisk.transport.core_process import ProcessEngine
 engine = ProcessEngine(EngineConfig(model=sys.argv[1], dtype="float32", num_kv_blocks=64, max_model_len=256))
 print(engine.pid, flush=True)
 time.sleep(600)

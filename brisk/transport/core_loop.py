@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
-from brisk.engine.client import EngineDeadError, QueueLoad
+from brisk.transport.client import EngineDeadError, QueueLoad
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import EngineSnapshot, IterationStats

@@ -62,7 +62,7 @@ class ModelInfo:
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "ModelInfo":
-        spec, config = engine.spec, engine.config
+        spec, config = engine.hparams, engine.config
         return cls(
             name=os.path.basename(engine.checkpoint.path.rstrip("/")).removesuffix(".gguf"),
             format=engine.checkpoint.format, architecture=spec.architecture,

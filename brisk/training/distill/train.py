@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from brisk.config import ConfigError, knob
-from brisk.distill import data as teacher_data
-from brisk.distill.student import WIDTH_MULTIPLE, choose_layers, measure_width, with_layers, write_student
+from brisk.training.distill import data as teacher_data
+from brisk.training.distill.student import WIDTH_MULTIPLE, choose_layers, measure_width, with_layers, write_student
 from brisk.llm import LLM
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import Checkpoint, load_model, open_checkpoint
 from brisk.model.sequences import forward_sequences
-from brisk.model.spec import ModelSpec
+from brisk.model.hparams import HParams
 from brisk.quant.checkpoint import save_weights
 
 STATE_DIR = "distill"  # inside the student folder: the run's state and data
@@ -73,7 +73,7 @@ class DistillConfig:
     top_k: int = knob(64, "Teacher tokens kept per position as soft targets.")
     train_embeddings: bool = knob(False, "Also train the embedding (the LM head too, when tied).")
     chat_fraction: float = knob(0.3, "Share of each batch drawn from the teacher's answers (the rest: the corpus).")
-    num_prompts: int | None = knob(None, "Prompts the teacher answers (brisk/spec/prompts.py); default: all.")
+    num_prompts: int | None = knob(None, "Prompts the teacher answers (brisk/training/prompts.py); default: all.")
     max_new_tokens: int = knob(256, "Longest answer the teacher writes, in tokens.")
     corpus: str | None = knob(None, "A UTF-8 text file; default: Pride and Prejudice (make install).")
     heldout_fraction: float = knob(0.05, "Share of the corpus (its end) and of the answers held out for eval.")
@@ -267,7 +267,7 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     if teacher.layout is not None:
         raise ConfigError(f"{teacher.path} is a `brisk quantize` folder ({teacher.layout}): distill from the float "
                           f"checkpoint it came from")
-    spec = teacher.spec
+    spec = teacher.hparams
     for flag, wanted, has in (("layers", config.layers, spec.num_layers), ("hidden", config.hidden, spec.hidden_size),
                               ("intermediate", config.intermediate, spec.intermediate_size)):
         if wanted is not None and wanted > has:
@@ -301,16 +301,16 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     else:
         trainer.state.layers = layers
     layers = trainer.state.layers
-    log(f"student: teacher layers {layers}, hidden {student.spec.hidden_size}, intermediate "
-        f"{student.spec.intermediate_size}, {_parameters(student.spec) / 1e6:.1f}M parameters, "
+    log(f"student: teacher layers {layers}, hidden {student.hparams.hidden_size}, intermediate "
+        f"{student.hparams.intermediate_size}, {_parameters(student.hparams) / 1e6:.1f}M parameters, "
         f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M trained")
     _train(trainer, config, lambda: (trainer.save(state_path), _write_weights(student, out)), log, progress)
-    return DistillReport(layers, student.spec.hidden_size, student.spec.intermediate_size,
-                         _parameters(student.spec), _parameters(spec), trainer.state, data_seconds,
+    return DistillReport(layers, student.hparams.hidden_size, student.hparams.intermediate_size,
+                         _parameters(student.hparams), _parameters(spec), trainer.state, data_seconds,
                          data.corpus_tokens, data.answer_tokens)
 
 
-def _parameters(spec: ModelSpec) -> int:
+def _parameters(spec: HParams) -> int:
     """How many weights a model of this shape has (counted on the meta device: no memory)."""
     with torch.device("meta"):
         return sum(p.numel() for p in LlamaForCausalLM(spec, max_len=1).parameters())
