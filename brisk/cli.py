@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from brisk.assembly import build_engine
 from brisk.args import (add_config_arguments, add_config_file_argument, add_engine_arguments, config_from_args,
                         engine_config_from_args, parse_args)
 from brisk.config import (EMBEDDING_BACKENDS, ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig,
@@ -51,7 +52,7 @@ def _stream(engine: LLMEngine, prompt, params: SamplingParams) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = build_engine(engine_config_from_args(args))
     prompt = args.prompt
     if not args.raw:
         prompt = {"prompt_token_ids": engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])}
@@ -59,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = build_engine(engine_config_from_args(args))
     params = _sampling_params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("brisk chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)

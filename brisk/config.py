@@ -6,6 +6,12 @@ model it serves beside the generation model, a ResponseCacheConfig for its respo
 a ClusterConfig to serve several engine replicas on Ray Serve. Command-line flags are generated from
 these fields, so a knob is added here once and appears everywhere. Names follow vLLM's where
 vLLM has the same knob.
+
+This module imports nothing of brisk, so any layer may read it. The values a knob accepts that
+a lower layer defines (KV cache kinds and quantization group sizes: the kernels'; quantization
+methods: brisk/quant's) are spelled out here again, and tests/kernels/test_ground_floor.py checks
+that the two agree. Defaults that depend on the host (dtype "auto": bf16 only where the CPU
+multiplies it natively) are resolved where the model loads (model/loader.py: resolve_dtype).
 """
 
 from __future__ import annotations
@@ -18,17 +24,15 @@ from pathlib import Path
 
 import torch
 
-from brisk.kernels import cpu as cpu_kernels
-from brisk.quant.formats import GROUP_SIZES
-from brisk.kernels.kv_cache import KV_CACHE_DTYPES
-from brisk.quant.modules import METHODS as QUANTIZATION_METHODS
-
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field."""
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # kernels/kv_cache.py's kinds, and auto
+GROUP_SIZES = (32, 64, 128)  # kernels/packed.py's: the kernels find a column's group by a shift
+QUANTIZATION_METHODS = ("int8", "fp8", "int4", "nf4", "gguf", "w8a8")  # quant/modules.py's METHODS
 
 
 def knob(default, help: str, **kwargs):
@@ -185,7 +189,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.dtype not in ("auto", *_DTYPES):
+        if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
@@ -227,20 +231,10 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """auto: bf16 on accelerators and on CPUs that multiply bf16 natively (half the bytes per
-        decode step); fp32 on other CPUs, where bf16 matmuls are emulated and slow."""
-        if self.dtype == "auto":
-            native = self.torch_device.type != "cpu" or cpu_kernels.native_bf16()
-            return torch.bfloat16 if native else torch.float32
-        return _DTYPES[self.dtype]
-
-    @property
-    def kv_cache_kind(self) -> str:
-        """kv_cache_dtype with auto resolved: the model's dtype."""
+    def kv_cache_kind_for(self, dtype: torch.dtype) -> str:
+        """kv_cache_dtype with auto resolved: the model's dtype (model/loader.py: resolve_dtype)."""
         if self.kv_cache_dtype == "auto":
-            return str(self.torch_dtype).removeprefix("torch.")
+            return str(dtype).removeprefix("torch.")
         return self.kv_cache_dtype
 
 

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
+from brisk.assembly import build_engine
 from brisk.config import EngineConfig
 from brisk.embed.embedder import Embedder, Embedding
 from brisk.engine.engine import LLMEngine, Prompt
@@ -34,7 +35,7 @@ class LLM:
         unknown = set(engine_options) - known
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine: LLMEngine = build_engine(EngineConfig(model=model, **engine_options))
         self.embedding_model = embedding_model
         self._embedder: Embedder | None = None
         self.batch_metrics: BatchMetrics | None = None  # of the last generate / chat call

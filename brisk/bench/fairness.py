@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from brisk.assembly import build_engine
 from brisk.args import engine_config_from_args
 from brisk.config import EngineConfig
 from brisk.engine.engine import LLMEngine
@@ -80,7 +81,7 @@ def run_scenario(engine: LLMEngine, long_len: int, interval: float, num_short: i
 def calibrate(config: EngineConfig, chunk: int, contexts: list[int]) -> None:
     """Times the `chunk`-token prefill step that starts at each context length (a plain token
     budget of `chunk`, so every chunk has that size) and fits K in t(c) ~ 1 + mean context / K."""
-    engine = LLMEngine(replace(config, max_num_batched_tokens=chunk, attention_cost_context=0,
+    engine = build_engine(replace(config, max_num_batched_tokens=chunk, attention_cost_context=0,
                                enable_prefix_caching=False))
     rng = random.Random(0)
     times = {}
@@ -107,7 +108,7 @@ def main(args: argparse.Namespace) -> None:
     if args.calibrate:
         chunk = args.calibrate_chunk  # contexts where a chunk starts: multiples of the chunk size
         calibrate(config, chunk, sorted({max(1, round(c / chunk)) * chunk for c in (512, 1024, 2048, 4096, 6144, 7168)}))
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     print(f"model: {engine.hparams.name or engine.checkpoint.path} ({engine.dtype}), threads: {torch.get_num_threads()}, "
           f"step budget {engine.config.max_num_batched_tokens}")
     print(f"\nshort requests: one-line chat question, 2 output tokens, one every {args.interval} s")

@@ -17,6 +17,7 @@ import torch
 from brisk.args import engine_config_from_args
 from brisk.bench.workloads import chat_prompts
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels.backend import KernelBackend
 from brisk.llm import LLM
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
 from brisk.sampling_params import SamplingParams
@@ -67,16 +68,12 @@ def sampler_milliseconds(logits: torch.Tensor, params: SamplingParams, use_kerne
     """One sample() call on the batch: the C kernel, or the torch formulation (sorting the vocabulary)."""
     rows = [SamplingRow(params, [1, 2], 1, seed=i) for i in range(logits.shape[0])]
     batch = SamplingBatch.from_rows(rows, logits.shape[1], logits.device)
-    available = cpu_kernels.sampling_available
-    cpu_kernels.sampling_available = (lambda _: True) if use_kernel else (lambda _: False)
-    try:
-        sample(logits.clone(), batch)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            sample(logits.clone(), batch)
-        return (time.perf_counter() - start) / repeats * 1e3
-    finally:
-        cpu_kernels.sampling_available = available
+    kernels = cpu_kernels.CBackend() if use_kernel else KernelBackend()
+    sample(logits.clone(), batch, kernels)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        sample(logits.clone(), batch, kernels)
+    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def main(args) -> None:

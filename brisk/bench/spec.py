@@ -23,6 +23,7 @@ from brisk.args import engine_config_from_args
 from brisk.bench.workloads import chat_prompts, copy_prompts
 from brisk.config import SpeculativeConfig
 from brisk.engine.stats import SpecDecodeStats
+from brisk.engine.step_hook import NoStepHook
 from brisk.llm import LLM
 from brisk.sampling_params import SamplingParams
 from brisk.spec.speculator import DEFAULT_DISABLE_BY_BATCH_SIZE, Speculator
@@ -47,9 +48,7 @@ def speculators(llm: LLM, k: int, methods: list[str], medusa: str | None = None,
         specs[draft_name(path)] = SpeculativeConfig(model=path, num_speculative_tokens=k)
     built: dict[str, Speculator | None] = {"plain": None}
     for method in methods:
-        config = replace(engine.config, speculative_config=specs[method])
-        built[method] = Speculator.build(config, engine.checkpoint, engine.runner, engine.max_model_len,
-                                         engine.kv.num_blocks)
+        built[method] = Speculator.build(engine, replace(engine.config, speculative_config=specs[method]))
     return built
 
 
@@ -60,14 +59,14 @@ def draft_name(path: str) -> str:
 def run(llm: LLM, speculator: Speculator | None, conversations: list, params: SamplingParams, together: bool,
         forced: bool = False) -> Run:
     engine = llm.engine
-    engine.speculator = speculator
+    engine.step_hook = speculator if speculator is not None else NoStepHook()
     if speculator is not None:
         speculator.disable_by_batch_size = 64 if forced else DEFAULT_DISABLE_BY_BATCH_SIZE[speculator.config.method]
     start = time.perf_counter()
     batches = [conversations] if together else [[c] for c in conversations]
     outputs = [o for batch in batches for o in llm.chat(batch, params, use_tqdm=False)]
     elapsed = time.perf_counter() - start
-    engine.speculator = None
+    engine.step_hook = NoStepHook()
     stats = SpecDecodeStats()
     for o in outputs:
         if o.metrics.spec_decode is not None:

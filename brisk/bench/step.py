@@ -29,7 +29,6 @@ from brisk.engine import engine as engine_module
 from brisk.engine import runner as runner_module
 from brisk.kernels import cpu as cpu_kernels
 from brisk.llm import LLM
-from brisk.model import attention as attention_module
 from brisk.sampling_params import SamplingParams
 
 # (module, attribute, category): the weight-streaming matmuls, the attention kernels, and the
@@ -37,7 +36,7 @@ from brisk.sampling_params import SamplingParams
 _KERNELS = [
     (cpu_kernels, "linear_rows", "matmul"), (cpu_kernels, "quant_linear", "matmul"), (F, "linear", "matmul"),
     (torch, "mm", "matmul"),
-    (attention_module, "_decode_attention", "attention"), (attention_module, "_prefill_attention", "attention"),
+    (cpu_kernels, "decode_attention", "attention"), (cpu_kernels, "prefill_attention", "attention"),
     (cpu_kernels, "rope_write_kv", "rest: rope + kv write"), (cpu_kernels, "add_rms_norm", "rest: norms"),
     (cpu_kernels, "rms_norm", "rest: norms"), (cpu_kernels, "silu_mul", "rest: silu-mul"),
 ]

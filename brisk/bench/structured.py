@@ -54,7 +54,7 @@ def mask_milliseconds(llm: LLM, schema: dict, batch: int, steps: int = 20) -> tu
         mask = fill_bitmask(grammars, vocab)
     filled = time.perf_counter()
     for _ in range(steps):
-        apply_bitmask(logits, rows, mask)
+        apply_bitmask(logits, rows, mask, engine.model.kernels)
     applied = time.perf_counter()
     return (filled - start) / steps * 1e3, (applied - filled) / steps * 1e3
 

@@ -1,7 +1,9 @@
 """LLMEngine: requests in, outputs out, one `step()` at a time.
 
 A step is: schedule (which tokens to compute), execute (one model forward + sampling),
-update (append tokens, finish, free blocks, detokenize). Everything else hangs off those three.
+update (append tokens, finish, free blocks, detokenize). Everything else hangs off those three,
+and techniques that act around a step (speculative decoding) through the step hook
+(engine/step_hook.py), which `brisk.assembly.build_engine` plugs in.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -18,25 +21,32 @@ from brisk.engine.cuda_graphs import capture_sizes
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.kernels.kv_cache import kv_bytes_per_token
 from brisk.engine.output import OutputProcessor, RequestOutput
-from brisk.engine.request import Request, RequestStatus, validate_request
+from brisk.engine.request import EngineRequest, Request, RequestStatus
 from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import Progress, Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
-from brisk.model.loader import load_model, open_checkpoint
+from brisk.engine.step_hook import NoStepHook, StepHook
+from brisk.model.loader import load_model, open_checkpoint, resolve_dtype
 from brisk.sample.grammar import Grammar, GrammarCompiler
 from brisk.sampling_params import SamplingError, SamplingParams
-from brisk.spec.speculator import Speculator
 
 Prompt = str | list[int] | dict
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, step_hook: Callable[[LLMEngine], StepHook] | None = None):
+        """step_hook builds the engine's hook from the engine once it is up (brisk.assembly
+        builds speculative decoding's); without one a speculative_config is refused rather
+        than silently ignored."""
+        if config.speculative_config is not None and step_hook is None:
+            raise ConfigError("speculative_config needs the speculation step hook: build the engine with "
+                              "brisk.assembly.build_engine")
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.device = config.torch_device
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.checkpoint = open_checkpoint(config.model)
         self.hparams = self.checkpoint.hparams
         self.tokenizer = self.checkpoint.tokenizer
@@ -49,11 +59,10 @@ class LLMEngine:
         passes = 1 if config.speculative_config is not None else config.num_scheduler_steps
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context, passes)
-        self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind, self.device)
+        self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind_for(self.dtype), self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(capture_sizes(config.max_num_seqs), self.max_model_len)
-        self.speculator = (Speculator.build(config, self.checkpoint, self.runner, self.max_model_len, num_blocks)
-                           if config.speculative_config is not None else None)
+        self.step_hook: StepHook = step_hook(self) if step_hook is not None else NoStepHook()
         self._seeds = random.Random(config.seed)  # streams of the sequences that bring no seed
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.hparams.vocab_size, self.tokenizer.eos_token_ids)
@@ -66,7 +75,7 @@ class LLMEngine:
             num_blocks = c.num_kv_blocks
         else:
             s = self.hparams
-            bytes_per_token = kv_bytes_per_token(c.kv_cache_kind, s.num_layers, s.num_kv_heads, s.head_dim)
+            bytes_per_token = kv_bytes_per_token(c.kv_cache_kind_for(self.dtype), s.num_layers, s.num_kv_heads, s.head_dim)
             # less one: the pool's scratch block (engine/runner.py) comes out of the same budget
             num_blocks = int(self._kv_cache_bytes() // (bytes_per_token * c.block_size)) - 1
         if num_blocks * c.block_size < self.max_model_len:
@@ -100,11 +109,20 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> str:
-        """Queues a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its id."""
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        """Queues a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its id.
+        The offline edge: tokenizes and validates, then hands the core an EngineRequest."""
         text, token_ids = self.tokenize(prompt)
-        params = self.validate(token_ids, params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        request = EngineRequest.checked(
+            request_id if request_id is not None else str(next(self._ids)), token_ids, params,
+            self.hparams.vocab_size, self.max_model_len, prompt=text, cache_salt=cache_salt,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        return self.add(request)
+
+    def add(self, request: EngineRequest) -> str:
+        """Queues a request checked at the edge (EngineRequest.checked); returns its id."""
+        request_id, token_ids, params, arrival = (request.request_id, request.prompt_token_ids, request.params,
+                                                  request.arrival_time)
+        cache_salt = request.cache_salt
         children = []
         for i in range(params.n):
             child_params = self._child_params(params, i)
@@ -121,7 +139,7 @@ class LLMEngine:
                 sampling_seed=seed,
                 grammar=self._grammar(params),
             ))
-        self.output_processor.add(request_id, text, children)
+        self.output_processor.add(request_id, request.prompt, children)
         for child in children:
             self.scheduler.add(child)
         return request_id
@@ -134,10 +152,6 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
-
-    def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Raises SamplingError naming what is wrong; returns the params to run the request with."""
-        return validate_request(token_ids, params, self.hparams.vocab_size, self.max_model_len)
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
         """Each sequence walks its own copy of the request's compiled grammar."""
@@ -161,8 +175,7 @@ class LLMEngine:
         if it had already finished or never existed."""
         children = [self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
                     for child_id in self.output_processor.child_ids(request_id)]
-        if self.speculator is not None:
-            self.speculator.forget(self.scheduler.running)
+        self.step_hook.release(self.scheduler.running)
         now = time.monotonic()
         output = self.output_processor.abort(request_id, now)
         first = next((c for c in children if c is not None), None)
@@ -181,10 +194,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests
 
     def step(self) -> list[RequestOutput]:
+        self.step_hook.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         result = self.runner.execute(sched)
+        self.runner.move_slots(self.step_hook.verify(sched, result))
         return self._update(sched, result)
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
@@ -199,9 +214,9 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process([p.request for p in progressed], result.logprobs, now)
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
-        if self.speculator is not None:  # drafts for the next step, now that this one's tokens are known
-            self.speculator.propose(self.scheduler.running, result)
         iteration.finished = [_finished_stats(o) for o in outputs if o.finished]
+        if iteration.finished:  # what the hook kept for them (a draft model's blocks) goes now, not next step
+            self.step_hook.release(self.scheduler.running)
         self._log(iteration)
         return outputs
 

@@ -87,9 +87,9 @@ class KVCacheManager:
         """The longest run of cached blocks matching the request's tokens from the start.
 
         At least the last token is always left to compute: its logits give the next token.
-        A request that wants prompt logprobs must compute every prompt position, so it gets no hit.
+        A request whose sampling needs every prompt position computed gets no hit.
         """
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or not request.may_reuse_prefix:
             return []
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from brisk.engine.stats import SpecDecodeStats
+from brisk.engine.step_hook import VerifyPlan
 from brisk.sample.grammar import Grammar
 from brisk.sampling_params import SamplingError, SamplingParams
 
@@ -32,6 +33,39 @@ def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: i
     if bad:
         raise SamplingError("prompt_token_ids", f"{bad[:5]} are outside the vocabulary of {vocab_size}")
     return params.validate_for_model(vocab_size)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as it enters the engine core: tokenized and validated once, at the edge
+    (LLMEngine.add_request offline, the engine client in the server), so the core takes it as
+    it is. Built by `checked`; the core's `LLMEngine.add` neither tokenizes nor validates."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the text, when the prompt came as text
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # isolates its prefix-cache entries
+    # Carried for the techniques that act on them: fairness and quotas per tenant, an order among
+    # waiting requests (lower first, as vLLM's), a LoRA adapter, and tokens the client expects to
+    # follow the prompt (an edited file, a retrieved passage), to be verified as a long draft.
+    tenant: str | None = None
+    priority: int = 0
+    adapter: str | None = None
+    draft: tuple[int, ...] = ()
+
+    @classmethod
+    def checked(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                max_model_len: int, **fields) -> "EngineRequest":
+        """Validates the prompt, the params and the draft against the model's limits; raises
+        SamplingError naming the field."""
+        params = validate_request(prompt_token_ids, params, vocab_size, max_model_len)
+        draft = tuple(fields.pop("draft", ()))
+        bad = [t for t in draft if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingError("draft", f"{bad[:5]} are outside the vocabulary of {vocab_size}")
+        return cls(request_id, list(prompt_token_ids), params, draft=draft, **fields)
 
 
 class RequestStatus(enum.Enum):
@@ -72,9 +106,8 @@ class Request:
     stop_reason: int | str | None = None
     sampling_seed: int = 0  # the sequence's random stream (sample/random.py): params.seed or drawn by the engine
     grammar: Grammar | None = None  # structured outputs: where this sequence is in its grammar
-    # Speculative decoding: tokens a drafter proposed to follow token_ids, verified by the next step.
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_parents: list[int] | None = None  # a tree of drafts (spec/verify.py's Draft); None: a chain
+    # Rows the next step verifies after the last token (a step hook's proposal, engine/step_hook.py)
+    verify: VerifyPlan | None = None
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     times: RequestTimes = field(init=False)
 
@@ -105,6 +138,22 @@ class Request:
         if self.params.max_tokens is not None:
             limit = min(limit, self.num_prompt_tokens + self.params.max_tokens)
         return limit
+
+    @property
+    def next_token_is_argmax(self) -> bool:
+        """Whether its next token is the argmax of the logits and nothing else is asked of them
+        (no logprobs, penalties, biases, grammar, pending min_tokens or stop strings): then a
+        step may take it on the device without the sampler (Scheduler._decode_passes)."""
+        p = self.params
+        return (p.greedy and p.logprobs is None and p.prompt_logprobs is None and self.grammar is None
+                and not p.penalized and not p.logit_bias and not p.stop_strings
+                and self.num_output_tokens >= p.min_tokens)
+
+    @property
+    def may_reuse_prefix(self) -> bool:
+        """Whether cached K/V may stand in for its prompt: not when it wants prompt logprobs,
+        which need every prompt position computed."""
+        return self.params.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

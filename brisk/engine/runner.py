@@ -6,23 +6,26 @@ decodes and masks for prefill chunks that continue an earlier context. Logits ar
 only for rows that are sampled (and for prompt positions whose logprobs were asked for):
 the vocabulary projection is 20% of the model's FLOPs per token.
 
-A verify pass (a request's last token followed by its draft tokens) runs as that many decode
-rows of the one sequence, row i attending to the context up to its own position:
+A verify plan (engine/step_hook.py: a request's last token followed by k proposed tokens)
+runs as that many decode rows of the one sequence, row i attending to the context up to its own
+position:
 
     rows:      [ last | d0 | d1 | d2 ]          context lens  c+1, c+2, c+3, c+4
     samples:   [  t0  | t1 | t2 | t3 ]          t_i drawn as plain decoding would draw it
 
 so the verify pass computes what plain decoding would, row for row (and small batches run in
-the same fused decode kernel). brisk/spec/verify.py turns the samples into the accepted tokens.
+the same fused decode kernel). The runner returns every row's sample; the step hook decides
+which are kept.
 
-A tree of drafts (alternatives for the same positions) takes the same rows, in slots c..c+k
-after the context, but each row at the position of its depth and seeing only its ancestors
-(AttentionMetadata.decode_ancestor_masks). Once the samples pick a branch, its K/V is copied
-into the slots right after the context, where plain decoding would have put it:
+Rows may also be alternatives for the same positions (a tree): they take slots c+1..c+k all
+the same, each at the position the plan gives it and seeing only the rows its ancestor mask
+lets it (AttentionMetadata.decode_ancestor_masks). Once the hook has picked the kept rows, their
+K/V moves into the slots right after the context, where plain decoding would have put it
+(move_slots):
 
-    drafts:   a   b   c   d         parents: last, a, last, c       (two branches: a-b, c-d)
+    rows:     a   b   c   d         (two branches: a-b, c-d)
     slots:    c+1 c+2 c+3 c+4       positions: c+1 c+2 c+1 c+2
-    accepted c, d: K/V of slots c+3, c+4 -> c+1, c+2
+    kept c, d: K/V of slots c+3, c+4 -> c+1, c+2
 
 On a GPU, a step of plain decode rows replays a CUDA graph of the forward (engine/cuda_graphs.py),
 and the step's inputs cross in one pinned copy. A step whose sequences all decode greedily with
@@ -43,23 +46,25 @@ from brisk.kernels.gpu import to_device, to_device_many
 from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
+from brisk.engine.step_hook import SlotMove
 from brisk.model.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
-from brisk.spec.verify import accepted_path, branch, tree_depths
 
 
 @dataclass
 class RunnerOutput:
-    # request id -> the tokens it gains: accepted drafts, then the model's own next token
+    # request id -> the tokens it gains: one per sampled row (the step hook narrows a verify
+    # plan's rows to the tokens kept), or one per pass of a multi-pass step
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one entry per gained token
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one entry per token of `sampled`
     # request id -> (the prompt position the first entry predicts, the entries of this step's chunk)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
-    # request id -> the final hidden state its last gained token was sampled from (kept only when
-    # ModelRunner.keep_hidden_states is set: Medusa heads draft from it)
-    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the final hidden states of the sampled rows, in row order, and each request's first row
+    # there (Medusa heads draft from them)
+    hidden: torch.Tensor | None = None
+    first_row: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,24 +81,23 @@ class _Batch:
     positions: torch.Tensor
     attn: AttentionMetadata
     sample_rows: torch.Tensor
-    sample_chunks: list[ScheduledChunk]  # each samples 1 + len(draft_token_ids) consecutive rows
+    sample_chunks: list[ScheduledChunk]  # each samples 1 + num_verify_rows consecutive rows
     prompt_logprob_rows: list[_PromptLogprobRows]
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, kv_cache_dtype: str, device: torch.device):
-        spec = model.hparams
+        hp = model.hparams
         self.model = model
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
-        self.vocab_size = spec.vocab_size
+        self.vocab_size = hp.vocab_size
         # One per layer, in the storage kind of kernels/kv_cache.py; see model/attention.py for the layout.
         # The pool has one block more than the manager hands out: the padding rows of a CUDA graph
         # write there (engine/cuda_graphs.py).
-        self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks + 1, spec.num_kv_heads, kv.block_size,
-                                                spec.head_dim, device) for _ in range(spec.num_layers)]
-        self.keep_hidden_states = False
+        self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks + 1, hp.num_kv_heads, kv.block_size,
+                                                hp.head_dim, device) for _ in range(hp.num_layers)]
         self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
@@ -115,7 +119,7 @@ class ModelRunner:
         for rows in batch.prompt_logprob_rows:
             logits = self.model.compute_logits(hidden[rows.rows])
             out.prompt_logprobs[rows.request.request_id] = (rows.first_position, prompt_logprobs(
-                logits, rows.targets, rows.request.params.prompt_logprobs))
+                logits, rows.targets, rows.request.params.prompt_logprobs, self.model.kernels))
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
@@ -143,37 +147,33 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], out: RunnerOutput) -> None:
         logits = self.model.compute_logits(hidden)
         rows = [row for c in chunks for row in _sampling_rows(c)]
-        sampled = sample(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device))
+        sampled = sample(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device), self.model.kernels)
         tokens = sampled.token_ids.tolist()
         entries = None
         if sampled.logprobs is not None:
             entries = token_logprobs(sampled.logprobs, tokens, [r.params.logprobs for r in rows])
-        first, moves = 0, []
+        out.hidden = hidden
+        first = 0
         for chunk in chunks:
-            rid, drafts = chunk.request.request_id, chunk.draft_token_ids
-            samples = tokens[first:first + len(drafts) + 1]
-            path = accepted_path(drafts, chunk.draft_parents, samples)
-            used = [0] + [i + 1 for i in path]  # the rows whose samples are kept: root, then accepted drafts
-            out.sampled[rid] = [drafts[i] for i in path] + [samples[used[-1]]]
+            rid, end = chunk.request.request_id, first + 1 + chunk.num_verify_rows
+            out.sampled[rid] = tokens[first:end]
             if entries is not None and entries[first] is not None:
-                out.logprobs[rid] = [entries[first + row] for row in used]
-            if self.keep_hidden_states:
-                out.hidden_states[rid] = hidden[first + used[-1]]
-            last = chunk.request.num_computed_tokens  # a verify pass: the slot of the sequence's last token
-            moves.extend((rid, last + row, last + depth) for depth, row in enumerate(used) if row != depth)
-            first += len(drafts) + 1
-        if moves:
-            self._copy_slots(moves)
+                out.logprobs[rid] = entries[first:end]
+            out.first_row[rid] = first
+            first = end
 
-    def _copy_slots(self, moves: list[tuple[str, int, int]]) -> None:
-        """Moves K/V between slots of the same sequences: (request id, from, to) each."""
-        tables = {rid: self.kv.block_ids(rid) for rid, _, _ in moves}
+    @torch.inference_mode()
+    def move_slots(self, moves: list[SlotMove]) -> None:
+        """Moves K/V between slots of the same sequences (a step hook's verdict on verified rows)."""
+        if not moves:
+            return
+        tables = {m.request_id: self.kv.block_ids(m.request_id) for m in moves}
 
-        def locate(column: int) -> torch.Tensor:  # [2, moves]: block ids, offsets
-            return torch.tensor([[tables[m[0]][m[column] // self.block_size], m[column] % self.block_size]
-                                 for m in moves], dtype=torch.long, device=self.device).t()
+        def locate(slots: list[tuple[str, int]]) -> torch.Tensor:  # [2, moves]: block ids, offsets
+            return torch.tensor([[tables[rid][slot // self.block_size], slot % self.block_size] for rid, slot in slots],
+                                dtype=torch.long, device=self.device).t()
 
-        src, dst = locate(1), locate(2)
+        src, dst = locate([(m.request_id, m.src) for m in moves]), locate([(m.request_id, m.dst) for m in moves])
         for cache in self.kv_caches:
             cache.copy_slots(src[0], src[1], dst[0], dst[1])
 
@@ -185,19 +185,17 @@ class ModelRunner:
         for chunk in decodes + prefills:
             r, start = chunk.request, chunk.request.num_computed_tokens
             table = tables[r.request_id]
-            num_known = chunk.num_new_tokens - len(chunk.draft_token_ids)
+            num_known = chunk.num_new_tokens - chunk.num_verify_rows
             ids.extend(r.token_ids[start:start + num_known])
-            ids.extend(chunk.draft_token_ids)
             span = range(start, start + chunk.num_new_tokens)  # the slots its tokens' K/V go to
             slots.extend(span)
             blocks.extend(table[s // self.block_size] for s in span)
-            if chunk.draft_parents is None:
-                positions.extend(span)
-            else:  # a tree: each draft at the position of its depth
-                last = start + num_known - 1
-                positions.extend([*range(start, last + 1), *(last + d for d in tree_depths(chunk.draft_parents))])
+            positions.extend(range(start, start + num_known))
+            if chunk.verify is not None:  # each row at the position the plan gives it
+                ids.extend(chunk.verify.token_ids)
+                positions.extend(start + num_known - 1 + d for d in chunk.verify.depths)
         num_decodes = sum(c.num_new_tokens for c in decodes)
-        tree = any(c.draft_parents is not None for c in decodes)
+        tree = any(c.verify is not None and c.verify.ancestor_masks is not None for c in decodes)
         table_rows, context_lens = self._decode_tables(decodes, tables) if decodes else ([], [])
         masks = [m for c in decodes for m in _ancestor_masks(c)] if tree else []
         sample_rows, sample_chunks, prompt_rows, prefill_chunks = [], [], [], []
@@ -207,7 +205,7 @@ class ModelRunner:
             if not _as_decode_rows(chunk):
                 prefill_chunks.append((chunk, row))
             if chunk.completes_sequence:
-                first = row + n - 1 - len(chunk.draft_token_ids)
+                first = row + n - 1 - chunk.num_verify_rows
                 sample_rows.extend(range(first, row + n))
                 sample_chunks.append(chunk)
             if r.params.prompt_logprobs is not None:
@@ -263,26 +261,27 @@ DECODE_ROWS_MAX_CHUNK = 4
 def _as_decode_rows(chunk: ScheduledChunk) -> bool:
     """A decode, a verify pass or a short chunk: one query per token, each attending to the
     cache up to its own position (the same attention a prefill span computes, row by row)."""
-    return chunk.num_new_tokens <= DECODE_ROWS_MAX_CHUNK or bool(chunk.draft_token_ids)
+    return chunk.num_new_tokens <= DECODE_ROWS_MAX_CHUNK or chunk.verify is not None
 
 
 def _sampling_rows(chunk: ScheduledChunk) -> list[SamplingRow]:
-    """The rows a chunk samples: the next token, then, for each draft, the token after it as if
-    it and its ancestors had been accepted (penalties, min_tokens and the random stream see them
-    as output)."""
-    r, drafts = chunk.request, chunk.draft_token_ids
-    assert r.grammar is None or not drafts, "drafts of a constrained sequence would be sampled unconstrained"
+    """The rows a chunk samples: the next token, then, for each verified row, the token after it
+    with the tokens the plan counts before it taken as output (penalties, min_tokens and the
+    random stream see them so)."""
+    r, plan = chunk.request, chunk.verify
+    assert r.grammar is None or plan is None, "rows of a constrained sequence would be sampled unconstrained"
     first = SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.eos_token_ids, r.sampling_seed, r.grammar)
-    return [first] + [SamplingRow(r.params, r.token_ids + [drafts[j] for j in branch(chunk.draft_parents, i)],
-                                  r.num_prompt_tokens, r.eos_token_ids, r.sampling_seed) for i in range(len(drafts))]
+    if plan is None:
+        return [first]
+    return [first] + [SamplingRow(r.params, r.token_ids + before, r.num_prompt_tokens, r.eos_token_ids,
+                                  r.sampling_seed) for before in plan.output_before]
 
 
 def _ancestor_masks(chunk: ScheduledChunk) -> list[int]:
     """Per row of a decode chunk, the keys it sees among the 63 before its own (attention.h):
-    every one (-1), but for a tree's drafts, which skip the drafts of other branches."""
-    masks = [-1] * (chunk.num_new_tokens - len(chunk.draft_token_ids))
-    for i in range(len(chunk.draft_token_ids)):
-        hidden = set(range(i)) - set(branch(chunk.draft_parents, i))  # earlier drafts of other branches
-        bits = (1 << 64) - 1 - sum(1 << (i - j) for j in hidden)  # draft j is i - j slots back
-        masks.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+    every one (-1) but where the chunk's plan says otherwise."""
+    masks = [-1] * (chunk.num_new_tokens - chunk.num_verify_rows)
+    plan = chunk.verify
+    if plan is not None:
+        masks.extend(plan.ancestor_masks if plan.ancestor_masks is not None else [-1] * len(plan))
     return masks

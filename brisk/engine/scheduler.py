@@ -18,9 +18,9 @@ step 3, so a stream of short arrivals can slow a long prompt down but not stop i
 chunked prefill, prompts are admitted in arrival order, and one over the budget runs as the
 step's only prefill.
 
-Speculative decoding adds no phase either: a running request that carries draft tokens
-(request.draft_token_ids, proposed after the previous step) is scheduled for 1 + k tokens, its
-last token and the drafts, priced like any chunk. The step verifies them; update() keeps the
+Speculative decoding adds no phase either: a running request that carries k rows to verify
+(request.verify, a step hook's proposal) is scheduled for 1 + k tokens, its last token and the
+drafts, priced like any chunk. The step verifies them; update() keeps the
 K/V of the drafts the model accepted and returns the blocks that held only rejected ones. When
 memory is short a request drops its drafts before anyone is preempted.
 
@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
+from brisk.engine.step_hook import VerifyPlan
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,17 @@ class StepCost:
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int  # the drafts included
-    draft_token_ids: list[int] = field(default_factory=list)  # verified in this step, after the last token
-    draft_parents: list[int] | None = None  # the drafts' tree (spec/verify.py's Draft); None: a chain
+    num_new_tokens: int  # the verified rows included
+    verify: VerifyPlan | None = None  # rows verified in this step, after the last token
+
+    @property
+    def num_verify_rows(self) -> int:
+        return len(self.verify) if self.verify is not None else 0
 
     @property
     def completes_sequence(self) -> bool:
         """True when, after this chunk, every known token has K/V, so the next one is sampled."""
-        num_known = self.num_new_tokens - len(self.draft_token_ids)
+        num_known = self.num_new_tokens - self.num_verify_rows
         return self.request.num_computed_tokens + num_known == self.request.num_tokens
 
 
@@ -168,12 +172,13 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # preempted a moment ago, or a prefill
-            drafts, parents = request.draft_token_ids, request.draft_parents
-            if drafts and not self.kv.allocate(request, 1 + len(drafts)):
-                drafts, parents = [], None
-            if drafts or self._allocate_running(request, 1, out):
-                out.chunks.append(ScheduledChunk(request, 1 + len(drafts), drafts, parents))
-                cost += self.cost(1 + len(drafts), request.num_computed_tokens)
+            plan = request.verify
+            if plan is not None and not self.kv.allocate(request, 1 + len(plan)):
+                plan = None
+            if plan is not None or self._allocate_running(request, 1, out):
+                n = 1 + (len(plan) if plan is not None else 0)
+                out.chunks.append(ScheduledChunk(request, n, plan))
+                cost += self.cost(n, request.num_computed_tokens)
         return cost
 
     def _decode_passes(self, out: SchedulerOutput) -> int:
@@ -191,7 +196,7 @@ class Scheduler:
         if passes == 1:
             return 1
         for chunk in out.chunks:
-            if not _plain_greedy_decode(chunk):
+            if not (chunk.num_new_tokens == 1 and chunk.completes_sequence and chunk.request.next_token_is_argmax):
                 return 1
             passes = min(passes, chunk.request.max_total_tokens - chunk.request.num_tokens)
         if passes > 1 and all(self.kv.allocate(c.request, passes) for c in out.chunks):
@@ -309,7 +314,7 @@ class Scheduler:
                 request.num_computed_tokens += chunk.num_new_tokens
                 self.kv.cache_full_blocks(request)
                 continue
-            num_drafts = len(chunk.draft_token_ids)
+            num_drafts = chunk.num_verify_rows
             progressed.append(Progress(request, self._append(request, chunk, tokens), num_drafts,
                                        len(tokens) - 1 if num_drafts else 0))
             if request.is_finished:
@@ -319,11 +324,11 @@ class Scheduler:
     def _append(self, request: Request, chunk: ScheduledChunk, tokens: list[int]) -> int:
         """Appends the step's tokens (up to one that finishes the request); returns how many.
 
-        The chunk computed K/V for the known tokens and every draft; the runner has moved the
-        accepted drafts' K/V right after the known tokens (tree branches leave gaps), and the
-        blocks beyond them go back to the pool.
+        The chunk computed K/V for the known tokens and every draft; the step hook's slot moves
+        have put the accepted drafts' K/V right after the known tokens (tree branches leave
+        gaps), and the blocks beyond them go back to the pool.
         """
-        drafts = chunk.draft_token_ids
+        num_drafts = chunk.num_verify_rows
         num_accepted = len(tokens) - 1
         appended = 0
         for token in tokens:
@@ -331,10 +336,10 @@ class Scheduler:
             appended += 1
             if request.is_finished:
                 break
-        request.num_computed_tokens += chunk.num_new_tokens - len(drafts) + min(num_accepted, appended)
-        request.draft_token_ids, request.draft_parents = [], None
-        if drafts:
-            request.spec_stats.observe(len(drafts), num_accepted)
+        request.num_computed_tokens += chunk.num_new_tokens - num_drafts + min(num_accepted, appended)
+        request.verify = None
+        if num_drafts:
+            request.spec_stats.observe(num_drafts, num_accepted)
             self.kv.trim(request, request.num_computed_tokens)
         self.kv.cache_full_blocks(request)
         return appended
@@ -375,10 +380,3 @@ class _Prefill:
     def remaining(self) -> int:
         return self.request.num_tokens - self.num_computed
 
-
-def _plain_greedy_decode(chunk: ScheduledChunk) -> bool:
-    """One token to compute, no drafts, and a next token that is the argmax and nothing else."""
-    r, p = chunk.request, chunk.request.params
-    return (chunk.num_new_tokens == 1 and not chunk.draft_token_ids and chunk.completes_sequence and p.greedy
-            and p.logprobs is None and p.prompt_logprobs is None and r.grammar is None and not p.penalized
-            and not p.logit_bias and not p.stop_strings and r.num_output_tokens >= p.min_tokens)

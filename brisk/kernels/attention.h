@@ -32,10 +32,11 @@
 
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "dtypes.h"
+#include "status.h"
 
 /* A K or V block (BLOCK_SIZE * HEAD_DIM values of the cache) as floats: the cache itself when it
  * holds floats, else converted once into `scratch` (L1-sized), so every query head of the group
@@ -74,10 +75,29 @@ static inline int64_t decode_attention_parts(int64_t num_seqs, int64_t num_kv_he
     return parts < max_blocks ? parts : max_blocks;
 }
 
-/* Floats of the scratch decode attention needs for its parts' results: per part and query head,
- * the part's largest score, its sum of exponentials and its unnormalized output. */
-static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_heads, int64_t parts) {
-    return num_seqs * num_heads * parts * (HEAD_DIM + 2);
+/* The scratch decode attention needs, allocated by its caller before the parallel region:
+ *
+ *   partials  [seqs, kv_heads, parts, group, HEAD_DIM + 2]   per part and query head: the part's
+ *             largest score, its sum of exponentials and its unnormalized output
+ *   scores    [threads] rows of decode_attention_scores()    a thread's task at a time: its
+ *             group's scaled queries and their scores against the part's keys
+ *
+ * A part spans at most ceil(max_blocks / parts) blocks (a context never outgrows its table). */
+static inline int64_t decode_attention_partials(int64_t num_seqs, int64_t num_heads, int64_t parts) {
+    return cache_lines_of_floats(num_seqs * num_heads * parts * (HEAD_DIM + 2));
+}
+
+static inline int64_t decode_attention_scores(int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks,
+                                              int64_t parts) {
+    const int64_t group = num_heads / num_kv_heads, part_blocks = (max_blocks + parts - 1) / parts;
+    return cache_lines_of_floats(group * (part_blocks * BLOCK_SIZE + HEAD_DIM));
+}
+
+/* Floats of the whole scratch, for `threads` = omp_get_max_threads() (a team's size at most). */
+static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                               int64_t max_blocks, int64_t parts, int64_t threads) {
+    return decode_attention_partials(num_seqs, num_heads, parts)
+           + threads * decode_attention_scores(num_heads, num_kv_heads, max_blocks, parts);
 }
 
 #define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
@@ -90,9 +110,12 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                                                  const int64_t *restrict ancestor_masks, XT *restrict out,\
                                                  int64_t num_seqs, int64_t num_heads,                     \
                                                  int64_t num_kv_heads, int64_t max_blocks,                \
-                                                 float scale, int64_t parts, float *restrict partials) {  \
+                                                 float scale, int64_t parts, float *restrict scratch) {   \
         const int64_t group = num_heads / num_kv_heads;                                                   \
         const int64_t block_elems = BLOCK_SIZE * HEAD_DIM, slot = HEAD_DIM + 2;                           \
+        float *restrict partials = scratch;                                                               \
+        float *scores_of_thread = scratch + decode_attention_partials(num_seqs, num_heads, parts);        \
+        const int64_t scores_stride = decode_attention_scores(num_heads, num_kv_heads, max_blocks, parts); \
         _Pragma("omp for collapse(3) schedule(dynamic)")                                                  \
         for (int64_t s = 0; s < num_seqs; s++) {                                                          \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
@@ -104,7 +127,7 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                     const int64_t padded = (last - first) * BLOCK_SIZE;                                   \
                     const int64_t *table = block_tables + s * max_blocks;                                 \
                     float *results = partials + ((s * num_kv_heads + h) * parts + part) * group * slot;   \
-                    float *scores = malloc(sizeof(float) * group * (padded + HEAD_DIM) + 1);              \
+                    float *scores = scores_of_thread + omp_get_thread_num() * scores_stride;              \
                     float *restrict query = scores + group * padded;                                      \
                     float block[BLOCK_SIZE * HEAD_DIM]; /* a K or V block as floats, when CT is not float */ \
                     for (int64_t g = 0; g < group; g++)                                                   \
@@ -171,7 +194,6 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                             for (int64_t d = 0; d < HEAD_DIM; d++) acc[d] = a[d];                         \
                         }                                                                                 \
                     }                                                                                     \
-                    free(scores);                                                                         \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \

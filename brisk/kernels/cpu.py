@@ -5,9 +5,10 @@ per-user cache keyed by the source and flags, then loaded with ctypes (which rel
 during calls). The attention kernels are built per model shape (block size and head dim are
 compile-time constants, which keeps their hot loops in registers). OpenMP symbols resolve to
 the libgomp torch has already loaded, so the kernels share torch's thread pool instead of
-fighting it for cores. Without a compiler, `available*()` say no and callers use torch; with
-one, a build that fails raises KernelBuildError, so a broken kernel is never mistaken for a
-machine without a compiler (and silently served by the slower torch path).
+fighting it for cores. Without a compiler `choose_backend` (kernels/backend.py) picks the torch
+formulation; with one, a build that fails raises KernelBuildError, so a broken kernel is never
+mistaken for a machine without a compiler (and silently served by the slower torch path).
+`CBackend`, at the end, is the backend that calls these kernels.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from brisk.quant.formats import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
+from brisk.kernels.backend import KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
+from brisk.kernels.packed import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "decode_layers": [_PTR] * 4,
     "quant_linear": [_PTR] * 3 + [_I64],
 }
+# The kernels that allocate scratch return a kernel_status (kernels/status.h, checked by _check);
+# the others return void. tests/kernels/test_abi.py holds both tables to the C declarations.
+_STATUS_KERNELS = frozenset({"paged_decode_attention", "decode_layers", "quant_linear", "sample_rows"})
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CACHE_SUFFIXES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "i8"}  # dtypes.h's kinds
 # Up to this many rows a step runs in the fused decode kernel and a linear layer in linear_rows.
@@ -99,13 +104,14 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march:
             symbol = getattr(lib, symbol_name, None)
             if symbol is not None:
                 symbol.argtypes = argtypes
+                symbol.restype = ctypes.c_int if name in _STATUS_KERNELS else None
     return lib
 
 
 @cache
 def _compiler() -> str | None:
     """The path of the C compiler ($CC, else cc, else gcc), or None, said once in the log: then
-    every kernel is unavailable and callers take the torch paths."""
+    `choose_backend` picks the torch formulation of every kernel."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found (neither $CC, cc nor gcc on PATH): using the slower torch paths")
@@ -185,33 +191,15 @@ def _serves(source_name: str, x: torch.Tensor, cache: KVCacheLayer) -> bool:
             and _shaped_library(source_name, cache) is not None)
 
 
-def _wants_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd must see this op: no C kernel has a backward, so training (Medusa heads,
-    distillation) takes the torch path of every op whose inputs want a gradient."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def available(x: torch.Tensor, cache: KVCacheLayer) -> bool:
-    """Whether the attention kernels serve activations like x with this cache (device, kinds,
-    shape) and no gradient is wanted."""
-    return not _wants_grad(x) and _serves("paged_attention.c", x, cache)
-
-
-def linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear_rows should run this product: few rows, on CPU, a supported dtype, and no
-    gradient wanted."""
-    return (x.shape[0] <= SMALL_BATCH_ROWS and not _wants_grad(x, weight) and _on_cpu(weight)
-            and x.dtype == weight.dtype and _library("linear.c") is not None)
-
-
 def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      scale: float, out: torch.Tensor, ancestor_masks: torch.Tensor | None = None) -> None:
     """q [n, H_q, D] (contiguous), one query per sequence, over its blocks in the cache -> out [n, H_q, D].
     ancestor_masks [n] int64 or None: which of the 63 keys before each row's own it sees (attention.h)."""
     n, num_heads, _ = q.shape
-    _cache_kernel(_shaped_library("paged_attention.c", cache), "paged_decode_attention", q.dtype, cache)(
+    _check(_cache_kernel(_shaped_library("paged_attention.c", cache), "paged_decode_attention", q.dtype, cache)(
         q.data_ptr(), *_cache_pointers(cache), block_tables.data_ptr(), context_lens.data_ptr(),
-        _ptr(ancestor_masks), out.data_ptr(), n, num_heads, cache.v.shape[1], block_tables.shape[1], scale)
+        _ptr(ancestor_masks), out.data_ptr(), n, num_heads, cache.v.shape[1], block_tables.shape[1], scale),
+        "paged_decode_attention")
 
 
 def prefill_attention(q: torch.Tensor, cache: KVCacheLayer, block_table: torch.Tensor, start: int, scale: float,
@@ -249,10 +237,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def sampling_available(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and _library("sampling.c") is not None
-
-
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token id per row of logits [B, V] (float32); see sampling.c for the rule. Per-row
@@ -260,9 +244,9 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     logits = logits.contiguous()
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.long)
-    _library("sampling.c").sample_rows_f32(
+    _check(_library("sampling.c").sample_rows_f32(
         logits.data_ptr(), rows, n, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
-        uniforms.data_ptr(), out.data_ptr())
+        uniforms.data_ptr(), out.data_ptr()), "sample_rows")
     return out
 
 
@@ -285,12 +269,6 @@ def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -
     rows = rows.contiguous()
     _library("sampling.c").mask_rows_f32(logits.data_ptr(), logits.shape[1], rows.data_ptr(), rows.shape[0],
                                          bitmask.data_ptr(), bitmask.shape[1])
-
-
-def layer_ops_available(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    """Whether the fused norm and activation kernels serve this tensor's device and dtype (and
-    the norm's weight), with no gradient wanted."""
-    return not _wants_grad(x, weight) and _on_cpu(x) and _library("layer_ops.c") is not None
 
 
 def _layer_op(name: str, dtype: torch.dtype):
@@ -356,6 +334,13 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _check(status: int, kernel: str) -> None:
+    """Raises MemoryError where a _STATUS_KERNELS kernel could not allocate its scratch (it then
+    ran nothing: every allocation comes before the work, kernels/status.h)."""
+    if status != 0:
+        raise MemoryError(f"the C kernel {kernel} could not allocate its scratch memory")
+
+
 class KernelWeight:
     """A weight as the C kernels read it (struct weight), holding every tensor the struct points
     into so the pointers stay valid while it lives."""
@@ -398,17 +383,12 @@ class KernelWeight:
                    tensors)
 
 
-def quant_available(x: torch.Tensor) -> bool:
-    """Whether the low-bit kernels (quant.h) serve activations like x."""
-    return x.device.type == "cpu" and _library("quant_linear.c") is not None
-
-
 def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -> torch.Tensor:
     """x [m, cols] float32 @ weight^T (+ bias) -> float32 [m, rows]. march: see _library."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.rows)
-    _library("quant_linear.c", march=march).quant_linear(ctypes.byref(weight.struct), x.data_ptr(), out.data_ptr(),
-                                                         x.shape[0])
+    _check(_library("quant_linear.c", march=march).quant_linear(ctypes.byref(weight.struct), x.data_ptr(),
+                                                                out.data_ptr(), x.shape[0]), "quant_linear")
     return out
 
 
@@ -447,13 +427,6 @@ class DecodeLayerWeights:
     down: KernelWeight  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norms
     k_norm: torch.Tensor | None = None
-
-
-def decode_layers_available(weight: torch.Tensor, cache: KVCacheLayer) -> bool:
-    """Whether the fused decode step (decode_layers.c) serves a model whose weights are like
-    `weight` (a norm's: the model's dtype) with this cache, with no gradient wanted."""
-    return not _wants_grad(weight) and _serves("decode_layers.c", weight, cache)
-
 
 
 class DecodeLayers:
@@ -499,7 +472,8 @@ class DecodeLayers:
         batch = _Batch(x.shape[0], block_tables.shape[1], positions.data_ptr(), slot_blocks.data_ptr(),
                        slot_offsets.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
                        _ptr(ancestor_masks))
-        self._kernel(ctypes.byref(self._model), ctypes.byref(batch), x.data_ptr(), _ptr(timings))
+        _check(self._kernel(ctypes.byref(self._model), ctypes.byref(batch), x.data_ptr(), _ptr(timings)),
+               "decode_layers")
         return x
 
     def _bind(self, kv_caches: list[KVCacheLayer]) -> None:
@@ -512,3 +486,117 @@ class DecodeLayers:
         library = _shaped_library("decode_layers.c", kv_caches[0])
         self._kernel = _cache_kernel(library, "decode_layers", self._dtype, kv_caches[0])
         self._kv_caches = kv_caches
+
+
+class CBackend(KernelBackend):
+    """The C kernels above, the backend of CPUs with a C compiler (kernels/backend.py). Inputs
+    they do not take go to the torch formulation: dtypes other than float32 and bfloat16 (the
+    sampling kernels: float32 only), tensors off the CPU, more than SMALL_BATCH_ROWS rows for
+    linear_rows, and anything that wants a gradient.
+
+    fuse_decode: small pure-decode steps run every layer in one C call (decode_layers.c); off,
+    they run layer by layer through the same kernels (the tests compare the two)."""
+
+    name = "c"
+
+    def __init__(self, fuse_decode: bool = True):
+        self.fuse_decode = fuse_decode
+
+    def __repr__(self) -> str:
+        return f"CBackend(fuse_decode={self.fuse_decode})"
+
+    def _rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether linear_rows runs this product: few rows, both on CPU in one supported dtype."""
+        return (x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == weight.dtype and _on_cpu(weight)
+                and not wants_grad(x, weight))
+
+    def linear(self, x, weight, bias=None):
+        if self._rows(x, weight):
+            return linear_rows(x, weight, bias)
+        return super().linear(x, weight, bias)
+
+    def lm_head(self, hidden, weight):
+        if self._rows(hidden, weight):
+            return linear_rows(hidden, weight, None).float()
+        return super().lm_head(hidden, weight)
+
+    def rms_norm(self, x, weight, eps):
+        if _on_cpu(x) and not wants_grad(x, weight):
+            return rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if _on_cpu(x) and not wants_grad(x, weight):
+            add_rms_norm(x, residual, weight, eps)
+            return x, residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        if _on_cpu(gate_up) and not wants_grad(gate_up):
+            return silu_mul(gate_up)
+        return super().silu_mul(gate_up)
+
+    def _attends(self, x: torch.Tensor, cache: KVCacheLayer) -> bool:
+        return not wants_grad(x) and _serves("paged_attention.c", x, cache)
+
+    def rope_write_kv(self, qkv, rope, cache, meta, num_heads, q_norm, k_norm, eps):
+        if self._attends(qkv, cache):
+            return rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, cache, meta.slot_blocks,
+                                 meta.slot_offsets, num_heads, q_norm, k_norm, eps)
+        return super().rope_write_kv(qkv, rope, cache, meta, num_heads, q_norm, k_norm, eps)
+
+    def decode_attention(self, q, cache, meta, scale, out):
+        if self._attends(q, cache):
+            decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out,
+                             meta.decode_ancestor_masks)
+        else:
+            super().decode_attention(q, cache, meta, scale, out)
+
+    def span_attention(self, q, cache, span, scale, out):
+        if self._attends(q, cache):
+            prefill_attention(q, cache, span.block_table, span.first_position, scale, out)
+        else:
+            super().span_attention(q, cache, span, scale, out)
+
+    def fuses_decode(self, num_decodes, num_prefills, weight, cache):
+        """Small pure-decode steps: at batch 1, Python's ~160 us per layer of dispatch was more
+        than the layer's own work outside the matmuls. Larger batches, where BLAS beats the
+        matvec, and steps with prefill chunks run layer by layer."""
+        return (self.fuse_decode and 0 < num_decodes <= SMALL_BATCH_ROWS and not num_prefills
+                and not wants_grad(weight) and _serves("decode_layers.c", weight, cache))
+
+    def decode_layers(self, layers, final_norm, cos, signed_sin, num_heads, num_kv_heads, eps):
+        return DecodeLayers(layers, final_norm, cos, signed_sin, num_heads, num_kv_heads, eps)
+
+    def quant_linear(self, x, layer):
+        if x.device.type == "cpu":
+            return quant_linear(x.float(), layer.kernel_weight()).to(x.dtype)
+        return super().quant_linear(x, layer)
+
+    def quantize_rows_int8(self, x, threshold):
+        return quantize_rows_int8(x, threshold)
+
+    def scale_int32(self, acc, row_scales, col_scales, bias):
+        return scale_int32(acc, row_scales, col_scales, bias)
+
+    def sample_rows(self, logits, temperature, top_k, top_p, min_p, uniforms):
+        if _samples(logits):  # its argmax is also faster than torch's
+            draws = uniforms if uniforms is not None else temperature.double()  # all 0: unused
+            return sample_rows(logits, temperature, top_k, top_p, min_p, draws)
+        return super().sample_rows(logits, temperature, top_k, top_p, min_p, uniforms)
+
+    def target_logprobs(self, logits, targets):
+        if _samples(logits):
+            return target_logprobs(logits, targets)
+        return super().target_logprobs(logits, targets)
+
+    def mask_rows(self, logits, rows, bitmask):
+        if _samples(logits) and logits.is_contiguous():
+            mask_rows(logits, rows, bitmask)
+        else:
+            super().mask_rows(logits, rows, bitmask)
+
+
+def _samples(logits: torch.Tensor) -> bool:
+    """Whether sampling.c takes these logits: float32 on CPU."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32

@@ -37,6 +37,7 @@
 #include "layer_ops.h"
 #include "matvec.h"
 #include "quant.h"
+#include "status.h"
 
 enum phase { PHASE_MATMUL, PHASE_ATTENTION, PHASE_OTHER };
 
@@ -96,19 +97,25 @@ static inline int64_t now_ns(void) {
     DEFINE_DECODE_ATTENTION(WS##_##CS, float, load_f32, store_f32, CT, LOAD_C, SCALED)                    \
     DEFINE_ROPE_WRITE_KV(WS##_##CS, float, load_f32, store_f32, T, LOAD, CT, STORE_HEAD, SCALED)          \
                                                                                                           \
-    /* x [num_seqs, hidden]: this step's embeddings in, the final norm's output out. */                   \
-    void decode_layers_##WS##_##CS(const struct decode_model *model, const struct decode_batch *batch,    \
-                                   float *x, int64_t *timings) {                                          \
+    /* x [num_seqs, hidden]: this step's embeddings in, the final norm's output out. Returns a          \
+     * kernel_status (status.h): out of memory, it runs nothing. */                                       \
+    int decode_layers_##WS##_##CS(const struct decode_model *model, const struct decode_batch *batch,     \
+                                  float *x, int64_t *timings) {                                           \
         const int64_t m = batch->num_seqs, hidden = model->hidden, inter = model->intermediate;           \
         const int64_t q_size = model->num_heads * HEAD_DIM;                                               \
         const int64_t qkv_size = q_size + 2 * model->num_kv_heads * HEAD_DIM;                             \
         const float eps = model->eps;                                                                     \
+        const int64_t threads = omp_get_max_threads();                                                    \
+        const int64_t parts = decode_attention_parts(m, model->num_kv_heads, batch->max_blocks, threads); \
         float *residual = calloc(m * hidden, sizeof(float));                                              \
         float *qkv = malloc(sizeof(float) * m * qkv_size), *q = malloc(sizeof(float) * m * q_size);       \
         float *attended = malloc(sizeof(float) * m * q_size);                                             \
         float *gate_up = malloc(sizeof(float) * m * 2 * inter), *act = malloc(sizeof(float) * m * inter); \
-        const int64_t parts = decode_attention_parts(m, model->num_kv_heads, batch->max_blocks, omp_get_max_threads()); \
-        float *partials = malloc(sizeof(float) * decode_attention_scratch(m, model->num_heads, parts));   \
+        float *scratch = scratch_floats(decode_attention_scratch(m, model->num_heads, model->num_kv_heads, \
+                                                                 batch->max_blocks, parts, threads));     \
+        const int status = residual && qkv && q && attended && gate_up && act && scratch                  \
+                               ? KERNEL_OK : KERNEL_OUT_OF_MEMORY;                                        \
+        if (status == KERNEL_OK)                                                                          \
         _Pragma("omp parallel")                                                                           \
         {                                                                                                 \
             int64_t mark = timings ? now_ns() : 0;                                                        \
@@ -130,7 +137,7 @@ static inline int64_t now_ns(void) {
                                           batch->context_lens, batch->ancestor_masks, attended, m,        \
                                           model->num_heads,                                               \
                                           model->num_kv_heads, batch->max_blocks, model->scale, parts,    \
-                                          partials);                                                      \
+                                          scratch);                                                       \
                 LAP(PHASE_ATTENTION);                                                                     \
                 project_##WS(&layer->o, attended, x, m);                                              \
                 LAP(PHASE_MATMUL);                                                                        \
@@ -152,7 +159,8 @@ static inline int64_t now_ns(void) {
         free(attended);                                                                                   \
         free(gate_up);                                                                                    \
         free(act);                                                                                        \
-        free(partials);                                                                                   \
+        free(scratch);                                                                                    \
+        return status;                                                                                    \
     }
 
 DEFINE_MODEL_OPS(f32, float, load_f32)

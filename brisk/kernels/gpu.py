@@ -1,117 +1,89 @@
-"""Where the Triton kernels serve, and their entry points: the GPU's counterpart of kernels/cpu.py.
+"""The Triton kernels' backend: the GPU's counterpart of kernels/cpu.py's CBackend.
 
-Triton is imported on first use, so a CPU-only install needs none. The kernels serve CUDA
-tensors. With `serve_cpu_tensors` set and TRITON_INTERPRET=1 (set before Triton loads) they
-also serve CPU tensors, run by Triton's interpreter: that is how the tests run the model
-through them on machines without a GPU. It is a switch of its own, not the environment
-variable, so a test that sets the variable does not send every other test's torch path
-through the interpreter.
+Triton is imported when the backend is built, so a CPU-only install needs none. The kernels
+serve CUDA tensors. Built with `interpret=True` under TRITON_INTERPRET=1 (set before Triton
+loads) they also serve CPU tensors, run by Triton's interpreter: that is how the tests run the
+model through them on machines without a GPU. It is an argument of its own, not the
+environment variable, so a test that sets the variable does not send every other model's torch
+path through the interpreter. Inputs the kernels do not take (other dtypes, a cache whose block
+size or head dim is not a power of two, formats other than int8 and int4, anything that wants a
+gradient) go to the torch formulation.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from functools import cache
 
 import torch
 
-from brisk.kernels.cpu import _wants_grad
+from brisk.kernels.backend import KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
+from brisk.kernels.transfer import to_device, to_device_many  # noqa: F401  (the runner's imports)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+class TritonBackend(KernelBackend):
+    name = "triton"
 
+    def __init__(self, interpret: bool = False):
+        if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("serving CPU tensors through Triton's interpreter needs TRITON_INTERPRET=1, set "
+                             "before Triton is imported")
+        from brisk.kernels import triton_attention, triton_layer_ops, triton_quant
 
-serve_cpu_tensors = False
+        self.interpret = interpret
+        self._devices = ("cuda", "cpu") if interpret else ("cuda",)
+        self._attention, self._layer_ops, self._quant = triton_attention, triton_layer_ops, triton_quant
 
+    def __repr__(self) -> str:
+        return f"TritonBackend(interpret={self.interpret})"
 
-def available(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether the Triton kernels serve activations like x (and tensors like others)."""
-    device = x.device.type
-    on_cpu = device == "cpu" and serve_cpu_tensors and os.environ.get("TRITON_INTERPRET") == "1"
-    return ((device == "cuda" or on_cpu) and x.dtype in _DTYPES and not _wants_grad(x, *others)
-            and _has_triton())
+    def _serves(self, x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+        return x.device.type in self._devices and x.dtype in _DTYPES and not wants_grad(x, *others)
 
+    def _attends(self, x: torch.Tensor, cache: KVCacheLayer) -> bool:
+        return self._serves(x) and cache.v.device == x.device and self._attention.serves(cache)
 
-def attention_available(x: torch.Tensor, cache_layer: KVCacheLayer) -> bool:
-    """Whether the attention and cache-write kernels serve activations like x with this cache."""
-    if not available(x) or cache_layer.v.device != x.device:
-        return False
-    from brisk.kernels import triton_attention
+    def rms_norm(self, x, weight, eps):
+        if self._serves(x, weight):  # any shape: the kernel normalizes rows of [T, n]
+            return self._layer_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        return super().rms_norm(x, weight, eps)
 
-    return triton_attention.serves(cache_layer)
+    def add_rms_norm(self, x, residual, weight, eps):
+        if self._serves(x, weight):
+            self._layer_ops.add_rms_norm(x, residual, weight, eps)
+            return x, residual
+        return super().add_rms_norm(x, residual, weight, eps)
 
+    def silu_mul(self, gate_up):
+        if self._serves(gate_up):
+            return self._layer_ops.silu_mul(gate_up)
+        return super().silu_mul(gate_up)
 
-def quant_available(x: torch.Tensor, weight_format: str) -> bool:
-    """Whether the low-bit matmul kernels multiply activations like x by weights in this format."""
-    if not available(x):
-        return False
-    from brisk.kernels.triton_quant import FORMATS
+    def rope_write_kv(self, qkv, rope, cache, meta, num_heads, q_norm, k_norm, eps):
+        if self._attends(qkv, cache):
+            return self._layer_ops.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, cache,
+                                                 meta.slot_blocks, meta.slot_offsets, num_heads, q_norm, k_norm, eps)
+        return super().rope_write_kv(qkv, rope, cache, meta, num_heads, q_norm, k_norm, eps)
 
-    return weight_format in FORMATS
+    def decode_attention(self, q, cache, meta, scale, out):
+        if self._attends(q, cache):
+            self._attention.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out,
+                                             meta.decode_ancestor_masks)
+        else:
+            super().decode_attention(q, cache, meta, scale, out)
 
+    def prefill_attention(self, q, cache, meta, scale, out):
+        """Every prefill chunk of the step in one launch."""
+        if self._attends(q, cache):
+            batch = meta.prefill_batch()
+            self._attention.prefill_attention(q, cache, batch.starts, batch.lengths, batch.context_lens,
+                                              batch.block_tables, batch.max_length, scale, out)
+        else:
+            super().prefill_attention(q, cache, meta, scale, out)
 
-def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    from brisk.kernels import triton_quant
-
-    return triton_quant.quant_linear(x, weight, bias)
-
-
-def decode_attention(*args, **kwargs) -> None:
-    from brisk.kernels import triton_attention
-
-    triton_attention.decode_attention(*args, **kwargs)
-
-
-def prefill_attention(*args, **kwargs) -> None:
-    from brisk.kernels import triton_attention
-
-    triton_attention.prefill_attention(*args, **kwargs)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from brisk.kernels import triton_layer_ops
-
-    return triton_layer_ops.rms_norm(x, weight, eps)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    from brisk.kernels import triton_layer_ops
-
-    triton_layer_ops.add_rms_norm(x, residual, weight, eps)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    from brisk.kernels import triton_layer_ops
-
-    return triton_layer_ops.silu_mul(gate_up)
-
-
-def rope_write_kv(*args, **kwargs) -> torch.Tensor:
-    from brisk.kernels import triton_layer_ops
-
-    return triton_layer_ops.rope_write_kv(*args, **kwargs)
-
-
-def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A step's small host-made input as a tensor on device. To an accelerator it goes through
-    pinned memory with a non-blocking copy: a copy from pageable memory makes the host wait for
-    the GPU's queue, which would serialize building the next inputs with the step before it."""
-    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def to_device_many(columns: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Several int64 lists as tensors on device, in one transfer: each copy to a GPU costs some
-    microseconds of launch whatever its size, and a step has about eight such inputs."""
-    if device.type == "cpu":
-        return [torch.tensor(column, dtype=torch.long) for column in columns]
-    flat = to_device([value for column in columns for value in column], torch.long, device)
-    return list(flat.split([len(column) for column in columns]))
+    def quant_linear(self, x, layer):
+        if self._serves(x) and layer.format in self._quant.FORMATS:
+            return self._quant.quant_linear(x, layer.qweight, layer.bias)
+        return super().quant_linear(x, layer)

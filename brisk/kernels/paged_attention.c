@@ -115,19 +115,23 @@
     DEFINE_PREFILL_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
     DEFINE_DECODE_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                           \
     DEFINE_ROPE_WRITE_KV(XS##_##CS, XT, LOAD_X, STORE_X, XT, LOAD_X, CT, STORE_HEAD, SCALED)               \
-    void paged_decode_attention_##XS##_##CS(const XT *q, const CT *k_cache, const CT *v_cache,            \
-                                            const float *k_scales, const float *v_scales,                 \
-                                            const int64_t *block_tables, const int64_t *context_lens,     \
-                                            const int64_t *ancestor_masks, XT *out, int64_t num_seqs,     \
-                                            int64_t num_heads,                                            \
-                                            int64_t num_kv_heads, int64_t max_blocks, float scale) {      \
-        const int64_t parts = decode_attention_parts(num_seqs, num_kv_heads, max_blocks, omp_get_max_threads()); \
-        float *partials = malloc(sizeof(float) * decode_attention_scratch(num_seqs, num_heads, parts));   \
+    int paged_decode_attention_##XS##_##CS(const XT *q, const CT *k_cache, const CT *v_cache,             \
+                                           const float *k_scales, const float *v_scales,                  \
+                                           const int64_t *block_tables, const int64_t *context_lens,      \
+                                           const int64_t *ancestor_masks, XT *out, int64_t num_seqs,      \
+                                           int64_t num_heads,                                             \
+                                           int64_t num_kv_heads, int64_t max_blocks, float scale) {       \
+        const int64_t threads = omp_get_max_threads();                                                    \
+        const int64_t parts = decode_attention_parts(num_seqs, num_kv_heads, max_blocks, threads);        \
+        float *scratch = scratch_floats(decode_attention_scratch(num_seqs, num_heads, num_kv_heads, max_blocks, \
+                                                                 parts, threads));                        \
+        if (scratch == NULL) return KERNEL_OUT_OF_MEMORY;                                                 \
         _Pragma("omp parallel")                                                                           \
         decode_attention_##XS##_##CS(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, \
                                      ancestor_masks, out, num_seqs, num_heads, num_kv_heads, max_blocks,  \
-                                     scale, parts, partials);                                             \
-        free(partials);                                                                                   \
+                                     scale, parts, scratch);                                              \
+        free(scratch);                                                                                    \
+        return KERNEL_OK;                                                                                 \
     }                                                                                                     \
     void rope_write_kv_##XS##_##CS(const XT *qkv, const int64_t *positions, const float *cos_table,       \
                                    const float *sin_table, XT *q_out, CT *k_cache, CT *v_cache,           \

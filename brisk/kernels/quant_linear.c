@@ -1,26 +1,29 @@
 /* Low-bit linear layers outside the fused decode step (prefill chunks, big batches, the LM head).
  * See quant.h for the formats. */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "quant.h"
+#include "status.h"
 
 #define MATVEC_MAX_ROWS 8 /* up to here each weight block is multiplied into every row in registers */
 
-/* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias), float32 activations. */
-void quant_linear(const struct weight *w, const float *x, float *y, int64_t m) {
+/* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias), float32 activations. Returns a kernel_status
+ * (status.h): past MATVEC_MAX_ROWS each thread dequantizes into a panel of its own. */
+int quant_linear(const struct weight *w, const float *x, float *y, int64_t m) {
     if (m <= MATVEC_MAX_ROWS) {
         _Pragma("omp parallel")
         qmatvec(w, x, y, m);
-        return;
+        return KERNEL_OK;
     }
+    const int64_t panel_floats = cache_lines_of_floats(QPANEL * w->cols);
+    float *panels = scratch_floats(omp_get_max_threads() * panel_floats);
+    if (panels == NULL) return KERNEL_OUT_OF_MEMORY;
     _Pragma("omp parallel")
-    {
-        float *panel = malloc(sizeof(float) * QPANEL * w->cols);
-        if (panel == NULL) abort();
-        qmatmul(w, x, y, m, panel);
-        free(panel);
-    }
+    qmatmul(w, x, y, m, panels + omp_get_thread_num() * panel_floats);
+    free(panels);
+    return KERNEL_OK;
 }
 
 /* The int8 GEMM path of w8a8 (quant/modules.py: the torch code there is the reference), around

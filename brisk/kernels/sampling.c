@@ -26,9 +26,12 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "status.h"
 
 static inline int is_finite(float x) {
     uint32_t u;
@@ -216,19 +219,23 @@ static int64_t sample_row(const float *z, int64_t n, float temperature, int64_t 
 }
 
 /* logits [rows, n] float32; per row: temperature (0: greedy), top_k (0: off), top_p (1: off), min_p (0: off),
- * u in [0, 1). Writes the chosen token ids to out [rows]. */
-void sample_rows_f32(const float *restrict logits, int64_t rows, int64_t n, const float *restrict temperature,
-                     const int64_t *restrict top_k, const float *restrict top_p, const float *restrict min_p,
-                     const double *restrict u, int64_t *restrict out) {
+ * u in [0, 1). Writes the chosen token ids to out [rows]. Returns a kernel_status (status.h): each
+ * thread weighs its rows in two rows of n floats of its own, all allocated before the region. */
+int sample_rows_f32(const float *restrict logits, int64_t rows, int64_t n, const float *restrict temperature,
+                    const int64_t *restrict top_k, const float *restrict top_p, const float *restrict min_p,
+                    const double *restrict u, int64_t *restrict out) {
+    const int64_t stride = cache_lines_of_floats(n);
+    float *buffers = scratch_floats(omp_get_max_threads() * 2 * stride);
+    if (buffers == NULL) return KERNEL_OUT_OF_MEMORY;
 #pragma omp parallel
     {
-        float *w = malloc(sizeof(float) * n), *scratch = malloc(sizeof(float) * n);
+        float *w = buffers + omp_get_thread_num() * 2 * stride, *scratch = w + stride;
 #pragma omp for schedule(dynamic)
         for (int64_t r = 0; r < rows; r++)
             out[r] = sample_row(logits + r * n, n, temperature[r], top_k[r], top_p[r], min_p[r], u[r], w, scratch);
-        free(w);
-        free(scratch);
     }
+    free(buffers);
+    return KERNEL_OK;
 }
 
 /* Per row of logits [rows, n]: the log-sum-exp, and the target token's logprob and rank (1 + the

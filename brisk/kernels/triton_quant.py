@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from brisk.quant.formats import BLOCK, QuantizedTensor
+from brisk.kernels.packed import BLOCK, QuantizedTensor
 
 FORMATS = ("int8", "int4")
 

@@ -2,11 +2,12 @@
 
 Differences from transformers' modules, all for speed: q/k/v and gate/up are fused into one
 matmul each, RoPE tables are shared by every layer, attention reads K/V through block tables
-(see attention.py), and on CPU the work between the matmuls runs in fused C kernels: residual
-add + RMSNorm in place, RoPE + the K/V cache write, SiLU-and-multiply (kernels/layer_ops.h,
-kernels/attention.h; the torch code beside each call is their reference), and on GPUs in their
-Triton counterparts (kernels/triton_layer_ops.py). Decode steps of up to
-8 sequences run every layer in one C call (kernels/decode_layers.c). Weights keep
+(kernels/attention.py). Every op runs in the model's kernel backend (`kernels`, chosen once
+when the model loads: kernels/backend.py), which every layer holds: on CPU the work between the
+matmuls runs in fused C kernels (residual add + RMSNorm in place, RoPE + the K/V cache write,
+SiLU-and-multiply: kernels/layer_ops.h, kernels/attention.h), on GPUs in their Triton
+counterparts (kernels/triton_layer_ops.py), elsewhere in torch (KernelBackend, their reference).
+Small decode steps on CPU run every layer in one C call (kernels/decode_layers.c). Weights keep
 Hugging Face names on the way in, so any HF checkpoint or a GGUF file renamed to HF names loads
 through `load_weights`.
 """
@@ -16,17 +17,16 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
-from brisk.kernels import gpu as gpu_kernels
-from brisk.model.attention import AttentionMetadata, paged_attention, write_kv
-from brisk.model.linear import Linear, linear
-from brisk.model.rope import Rope, RotaryEmbedding
-from brisk.model.hparams import HParams
-from brisk.quant.formats import QuantizedTensor
+from brisk.kernels.attention import AttentionMetadata
+from brisk.kernels.backend import KernelBackend
 from brisk.kernels.kv_cache import KVCacheLayer
+from brisk.kernels.packed import QuantizedTensor
+from brisk.model.hparams import HParams
+from brisk.model.linear import Linear
+from brisk.model.rope import Rope, RotaryEmbedding
 from brisk.quant.modules import QuantizedWeight, install_quantized
 
 
@@ -35,92 +35,57 @@ class RMSNorm(nn.Module):
     `norm(x, residual)` first adds x into the residual and returns (normalized, residual). On CPU
     the fused kernel does both in place, in one pass, with no temporaries."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: KernelBackend):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if cpu_kernels.layer_ops_available(x, self.weight):
-            if residual is None:
-                return cpu_kernels.rms_norm(x, self.weight, self.eps)
-            cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        if gpu_kernels.available(x, self.weight):
-            if residual is None:
-                return gpu_kernels.rms_norm(x, self.weight, self.eps)
-            gpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
         if residual is None:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        residual = residual + x
-        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
-    if cpu_kernels.layer_ops_available(gate_up):
-        return cpu_kernels.silu_mul(gate_up)
-    if gpu_kernels.available(gate_up):
-        return gpu_kernels.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: HParams):
+    def __init__(self, spec: HParams, kernels: KernelBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.kernels = kernels
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.attention_bias, kernels)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, False, kernels)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
-        q = self._rotate_and_cache(self.qkv_proj(x), rope, kv_cache, meta)
-        out = paged_attention(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.view(x.shape[0], self.q_size))
-
-    def _rotate_and_cache(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer,
-                          meta: AttentionMetadata) -> torch.Tensor:
-        """qkv [T, q + 2 kv] -> rotated q [T, H, D]; this step's rotated K and V go into the cache."""
+        """x [T, hidden] -> [T, hidden]; this step's rotated K and V go into the cache first."""
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        if cpu_kernels.available(qkv, kv_cache):
-            return cpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, kv_cache,
-                                             meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms)
-        if gpu_kernels.attention_available(qkv, kv_cache):
-            return gpu_kernels.rope_write_kv(qkv, rope.positions, rope.cos, rope.signed_sin, kv_cache,
-                                             meta.slot_blocks, meta.slot_offsets, self.num_heads, *norms)
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        write_kv(kv_cache, rope.apply(k), v.reshape(t, self.num_kv_heads, self.head_dim), meta)
-        return rope.apply(q)
+        q = self.kernels.rope_write_kv(self.qkv_proj(x), rope, kv_cache, meta, self.num_heads, *norms)
+        out = self.kernels.paged_attention(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.view(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: HParams):
+    def __init__(self, spec: HParams, kernels: KernelBackend):
         super().__init__()
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.kernels = kernels
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, False, kernels)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, False, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: HParams):
+    def __init__(self, spec: HParams, kernels: KernelBackend):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.self_attn = Attention(spec, kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.mlp = MLP(spec, kernels)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 kv_cache: KVCacheLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,21 +109,35 @@ _SHARDS_OF = {fused: [hf for hf, (f, _) in _FUSED_SHARDS.items() if f == fused] 
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: HParams, max_len: int):
+    """kernels: the backend every layer runs its ops in (the loader's `choose_backend`); a
+    model's backend changes only through `use_kernels`, which hands the new one to every layer."""
+
+    def __init__(self, spec: HParams, max_len: int, kernels: KernelBackend):
         super().__init__()
         self.hparams = spec
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, False, kernels)
         self.rotary = RotaryEmbedding(spec, max_len)
-        self._decode_layers: cpu_kernels.DecodeLayers | None = None
+        self._decode_layers = None  # the fused decode step, built on first use
+
+    def use_kernels(self, kernels: KernelBackend) -> None:
+        """Runs the model in another backend from now on (tests compare backends on one model)."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
+        self._decode_layers = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> torch.Tensor:
-        """[T] token ids -> [T, hidden] final hidden states (logits are taken only where needed)."""
+        """[T] token ids -> [T, hidden] final hidden states (logits are taken only where needed).
+        Small pure-decode steps run every layer in one call where the backend fuses them (the
+        C kernels: kernels/decode_layers.c); at batch 1, Python's dispatch per layer was more
+        than the layer's own work outside the matmuls."""
         x, residual = self.embed_tokens(input_ids), None
-        if self._fused_decode_serves(meta, kv_caches):
+        if self.kernels.fuses_decode(meta.num_decodes, len(meta.prefills), self.norm.weight, kv_caches[0]):
             hidden = self._fused_decode()(x.float(), positions, meta.slot_blocks, meta.slot_offsets,
                                           meta.decode_block_tables, meta.decode_context_lens, kv_caches,
                                           meta.decode_ancestor_masks)
@@ -174,15 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self._decode_layers = None
         return super()._apply(fn, *args, **kwargs)
 
-    def _fused_decode_serves(self, meta: AttentionMetadata, kv_caches: list[KVCacheLayer]) -> bool:
-        """Small pure-decode steps on CPU run every layer in one C call (kernels/decode_layers.c):
-        at batch 1, Python's ~160 us per layer of dispatch was more than the layer's own work
-        outside the matmuls. Larger batches, where BLAS beats the matvec, and steps with prefill
-        chunks run layer by layer."""
-        return (0 < meta.num_decodes <= cpu_kernels.SMALL_BATCH_ROWS and not meta.prefills
-                and cpu_kernels.decode_layers_available(self.norm.weight, kv_caches[0]))
-
-    def _fused_decode(self) -> cpu_kernels.DecodeLayers:
+    def _fused_decode(self):
         """The layers' weights as the fused kernel reads them; built on the first decode step,
         once the weights are loaded and the RoPE tables built."""
         if self._decode_layers is None:
@@ -194,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
                     attn.qkv_proj.kernel_weight(), attn.o_proj.kernel_weight(), mlp.gate_up_proj.kernel_weight(),
                     mlp.down_proj.kernel_weight(),
                     *((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else ())))
-            self._decode_layers = cpu_kernels.DecodeLayers(
+            self._decode_layers = self.kernels.decode_layers(
                 layers, self.norm.weight, self.rotary.cos, self.rotary.signed_sin, self.hparams.num_heads,
                 self.hparams.num_kv_heads, self.hparams.rms_norm_eps)
         return self._decode_layers
@@ -205,15 +176,12 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32. Past a few rows computed as (W @ h^T)^T: for the tall
-        vocabulary matrix BLAS runs that orientation 1.2-3x faster on CPU than h @ W^T."""
+        """[N, hidden] -> [N, vocab] fp32 (kernels.lm_head: past a few rows as (W @ h^T)^T, the
+        orientation BLAS runs faster for the tall vocabulary matrix)."""
         head = self.output_head
         if isinstance(head, QuantizedWeight):
             return head.linear(hidden).float()
-        weight = head.weight
-        if cpu_kernels.linear_available(hidden, weight):
-            return linear(hidden, weight).float()
-        return torch.mm(weight, hidden.t()).t().float().contiguous()
+        return self.kernels.lm_head(hidden, head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copies HF-named tensors into our (partly fused) parameters; every one must be filled.

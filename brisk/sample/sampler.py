@@ -18,8 +18,9 @@ The rule (threshold semantics: a token tied with the k-th best or with the nucle
     top_p:  drop w_i < w_(c), c the fewest best tokens holding p of the remaining mass
     token = the smallest id i with  sum_{j <= i} w_j > u * sum_j w_j
 
-On CPU one C kernel (kernels/sampling.c) runs it without sorting the vocabulary; `_sample_torch`
-is the same rule as tensor ops, for other devices and as the kernel's reference in the tests.
+The kernel backend runs it (`kernels.sample_rows`): on CPU one C kernel (kernels/sampling.c)
+without sorting the vocabulary; `KernelBackend.sample_rows` (kernels/backend.py) is the same rule
+as tensor ops, for other devices and as the kernel's reference in the tests.
 
 The package knows nothing of the engine: a row is a `SamplingRow`, which the model runner
 fills from its requests.
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.kernels import cpu as cpu_kernels
-from brisk.kernels.gpu import to_device
+from brisk.kernels.backend import KernelBackend
+from brisk.kernels.transfer import to_device
 from brisk.sample.grammar import Grammar, apply_bitmask, fill_bitmask
 from brisk.sample.logprobs import RankedLogprobs, rank_targets
 from brisk.sample.penalties import Penalties
@@ -123,7 +124,7 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return self.uniforms is None
 
-    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+    def adjust(self, logits: torch.Tensor, kernels: KernelBackend) -> torch.Tensor:
         """Biases, penalties, bans and grammar masks, in place on the rows that have them."""
         if self.biases is not None:
             rows, token_ids, values = self.biases
@@ -133,7 +134,7 @@ class SamplingBatch:
         if self.bans is not None:
             logits[self.bans] = float("-inf")
         if self.grammar_rows is not None:
-            apply_bitmask(logits, self.grammar_rows, self.bitmask)
+            apply_bitmask(logits, self.grammar_rows, self.bitmask, kernels)
         return logits
 
 
@@ -145,51 +146,14 @@ class SamplerOutput:
     logprobs: RankedLogprobs | None = None
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """[B, V] float32 logits (modified in place) -> one token per row."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, kernels: KernelBackend) -> SamplerOutput:
+    """[B, V] float32 logits (modified in place) -> one token per row, in the model's backend."""
     raw_logits = logits.clone() if batch.num_logprobs is not None else None  # adjust() works in place
-    logits = batch.adjust(logits)
-    if cpu_kernels.sampling_available(logits):  # its argmax is also faster than torch's
-        draws = batch.uniforms if batch.uniforms is not None else batch.temperature.double()  # all 0: unused
-        tokens = cpu_kernels.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, draws)
-    elif batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
-    else:
-        tokens = _sample_torch(logits, batch)
+    logits = batch.adjust(logits, kernels)
+    tokens = kernels.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.uniforms)
     if raw_logits is None:
         return SamplerOutput(tokens)
-    return SamplerOutput(tokens, rank_targets(raw_logits, tokens, batch.num_logprobs))
-
-
-def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The module docstring's rule as tensor ops (sorts the vocabulary when top-k or top-p is on)."""
-    greedy = batch.temperature == 0
-    inverse_t = torch.where(greedy, 1.0, batch.temperature).reciprocal().unsqueeze(1)
-    finite = logits.isfinite()
-    top = logits.masked_fill(~finite, float("-inf")).amax(dim=-1, keepdim=True)
-    weights = torch.where(finite, ((logits - top) * inverse_t).exp(), 0.0)
-    weights = weights.masked_fill(weights < batch.min_p.unsqueeze(1), 0.0)
-    if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any()):
-        weights = _top_k_top_p(weights, batch.top_k, batch.top_p)
-    cumulative = weights.double().cumsum(dim=-1)
-    target = batch.uniforms.unsqueeze(1) * cumulative[:, -1:]
-    last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)  # rounding can leave target >= sum
-    tokens = torch.searchsorted(cumulative, target, right=True).squeeze(1).minimum(last)
-    return torch.where(greedy, logits.argmax(dim=-1), tokens)
-
-
-def _top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zeroes every weight below each row's k-th largest, then below its nucleus edge."""
-    ordered = weights.sort(dim=-1, descending=True).values
-    k = torch.where(top_k > 0, top_k, weights.shape[-1]).clamp_max(weights.shape[-1])
-    kth = ordered.gather(1, (k - 1).unsqueeze(1))
-    weights = weights.masked_fill(weights < kth, 0.0)
-    ordered = ordered.masked_fill(ordered < kth, 0.0)
-    cumulative = ordered.double().cumsum(dim=-1)
-    goal = top_p.double().unsqueeze(1) * cumulative[:, -1:]
-    edge_index = (cumulative < goal).sum(dim=-1, keepdim=True).clamp_max(weights.shape[-1] - 1)
-    edge = torch.where(top_p.unsqueeze(1) < 1, ordered.gather(1, edge_index), 0.0)
-    return weights.masked_fill(weights < edge, 0.0)
+    return SamplerOutput(tokens, rank_targets(raw_logits, tokens, batch.num_logprobs, kernels))
 
 
 def _logit_biases(params: list[SamplingParams],

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from brisk.config import SELF_DRAFTS, ConfigError, EngineConfig
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
-from brisk.engine.runner import ModelRunner, RunnerOutput
+import torch
+
+from brisk.engine.runner import ModelRunner
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
-from brisk.model.loader import Checkpoint, load_model, open_checkpoint
+from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_dtype
 from brisk.sampling_params import SamplingParams
 from brisk.spec.verify import Draft
 
@@ -42,6 +44,8 @@ class _Shadow:
 
 
 class DraftModelDrafter:
+    reads_hidden_states = False
+
     def __init__(self, runner: ModelRunner, kv: KVCacheManager):
         self.runner, self.kv = runner, kv
         self._shadows: dict[str, _Shadow] = {}
@@ -57,14 +61,15 @@ class DraftModelDrafter:
         if checkpoint.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab():
             raise ConfigError(f"speculative_config.model {name!r} has another tokenizer than the model: "
                               f"a draft model must share it")
-        model = load_model(checkpoint, config.torch_dtype, config.torch_device, max_model_len, quantization)
+        model = load_model(checkpoint, resolve_dtype(config.dtype, config.torch_device), config.torch_device, max_model_len,
+                           quantization)
         if model.hparams.vocab_size != target.hparams.vocab_size:
             raise ConfigError(f"speculative_config.model {name!r} has {model.hparams.vocab_size} logits, the model "
                               f"{target.hparams.vocab_size}")
         kv = KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=False)
-        return cls(ModelRunner(model, kv, config.kv_cache_kind, config.torch_device), kv)
+        return cls(ModelRunner(model, kv, config.kv_cache_kind_for(model.norm.weight.dtype), config.torch_device), kv)
 
-    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
+    def propose(self, requests: list[Request], num_tokens: list[int], hidden: dict[str, torch.Tensor]) -> list[Draft]:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         wanted = {r.request_id: k for r, k in zip(requests, num_tokens)}
         active = [self._sync(r) for r, k in zip(requests, num_tokens) if k]

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from brisk.config import MEDUSA_CONFIG_FILE
-from brisk.model.linear import linear
+from brisk.kernels.backend import KernelBackend
 from brisk.model.llama import LlamaForCausalLM
 
 CONFIG_FILE = MEDUSA_CONFIG_FILE
@@ -126,9 +126,9 @@ class MedusaConfig:
 class MedusaHeads(nn.Module):
     """K residual blocks on the final hidden state; `logits` puts them through the LM head."""
 
-    def __init__(self, config: MedusaConfig):
+    def __init__(self, config: MedusaConfig, kernels: KernelBackend):
         super().__init__()
-        self.config = config
+        self.config, self.kernels = config, kernels  # the model's backend: the heads run beside it
         k, h = config.num_heads, config.hidden_size
         # Stacked like one Linear of K * H outputs: heads are applied with one matmul.
         self.weight = nn.Parameter(torch.zeros(k, h, h))  # [head, out, in]
@@ -141,7 +141,7 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
         spec = model.hparams
         config = MedusaConfig(num_heads, spec.hidden_size, spec.vocab_size, BaseModelFingerprint.of(model, model_path))
-        return cls(config).to(model.norm.weight.device)
+        return cls(config, model.kernels).to(model.norm.weight.device)
 
     @property
     def num_heads(self) -> int:
@@ -151,7 +151,7 @@ class MedusaHeads(nn.Module):
         """hidden [N, H], the model's final (normed) hidden states -> [K, N, H], one row per head
         and position, for the model's LM head."""
         k, h = self.weight.shape[:2]
-        z = linear(hidden, self.weight.view(k * h, h), self.bias.view(k * h))  # [N, K * H]
+        z = self.kernels.linear(hidden, self.weight.view(k * h, h), self.bias.view(k * h))  # [N, K * H]
         return hidden.unsqueeze(0) + F.silu(z.view(-1, k, h).transpose(0, 1))
 
     def logits(self, model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,6 +192,6 @@ class MedusaHeads(nn.Module):
             if name not in tensors or tuple(tensors[name].shape) != shape:
                 found = tuple(tensors[name].shape) if name in tensors else "nothing"
                 raise ValueError(f"{weights_path}: {name!r} should be {shape} as {CONFIG_FILE} says, found {found}")
-        heads = cls(config)
+        heads = cls(config, model.kernels)
         heads.load_state_dict(tensors)
         return heads.to(device=model.norm.weight.device, dtype=model.norm.weight.dtype).requires_grad_(False)

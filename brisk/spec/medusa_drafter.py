@@ -1,7 +1,7 @@
 """Medusa decoding: the heads' top candidates, arranged as a tree, verified in one pass.
 
-After each step the runner hands back, per sequence, the final hidden state its newest token
-was sampled from (RunnerOutput.hidden_states). The heads read it (spec/medusa.py): head k
+After each step the speculator hands it, per sequence, the final hidden state its newest token
+was sampled from (RunnerOutput.hidden). The heads read it (spec/medusa.py): head k
 guesses the token k + 1 places after that newest one. A single guess per head is right too
 rarely on a small model (head 0's best token: ~22% on the default model), so each sequence
 gets a tree of candidates, several per position:
@@ -35,7 +35,7 @@ import torch
 
 from brisk.config import ConfigError, SpeculativeConfig
 from brisk.engine.request import Request
-from brisk.engine.runner import ModelRunner, RunnerOutput
+from brisk.engine.runner import ModelRunner
 from brisk.model.llama import LlamaForCausalLM
 from brisk.quant.formats import quantize
 from brisk.quant.modules import QuantizedLinear, QuantizedWeight
@@ -75,11 +75,12 @@ def candidate_tree(accuracy: HeadAccuracy | None, num_heads: int, size: int) -> 
 
 
 class MedusaDrafter:
+    reads_hidden_states = True
+
     def __init__(self, heads: MedusaHeads, runner: ModelRunner, tree: list[TreeNode]):
         self.heads, self.tree = heads, tree
         self.lm_head = _proposal_head(runner.model)
         self.num_ranks = 1 + max(node.rank for node in tree)
-        runner.keep_hidden_states = True
 
     @classmethod
     def load(cls, config: SpeculativeConfig, model_path: str, runner: ModelRunner) -> "MedusaDrafter":
@@ -91,14 +92,12 @@ class MedusaDrafter:
         return cls(heads, runner, tree)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
-        drafting = [i for i, (r, k) in enumerate(zip(requests, num_tokens))
-                    if k and r.request_id in step.hidden_states]
+    def propose(self, requests: list[Request], num_tokens: list[int], hidden: dict[str, torch.Tensor]) -> list[Draft]:
+        drafting = [i for i, (r, k) in enumerate(zip(requests, num_tokens)) if k and r.request_id in hidden]
         drafts = [Draft([]) for _ in requests]
         if not drafting:
             return drafts
-        hidden = torch.stack([step.hidden_states[requests[i].request_id] for i in drafting])
-        states = self.heads(hidden)  # [K, N, H]
+        states = self.heads(torch.stack([hidden[requests[i].request_id] for i in drafting]))  # [K, N, H]
         logits = self.lm_head.linear(states.reshape(-1, states.shape[-1])).float().view(*states.shape[:2], -1)
         candidates = logits.topk(self.num_ranks, dim=-1).indices.tolist()  # [K][N][rank]
         for n, i in enumerate(drafting):
@@ -125,4 +124,4 @@ def _proposal_head(model: LlamaForCausalLM) -> QuantizedWeight:
     head = model.output_head
     if isinstance(head, QuantizedWeight):
         return head
-    return QuantizedLinear(quantize(head.weight.detach(), "int8"))
+    return QuantizedLinear(quantize(head.weight.detach(), "int8"), kernels=model.kernels)

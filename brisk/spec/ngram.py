@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from brisk.engine.request import Request
-from brisk.engine.runner import RunnerOutput
 from brisk.spec.verify import Draft
 
 
@@ -26,11 +27,13 @@ class _NgramIndex:
 
 
 class NgramDrafter:
+    reads_hidden_states = False
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[str, _NgramIndex] = {}
 
-    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
+    def propose(self, requests: list[Request], num_tokens: list[int], hidden: dict[str, torch.Tensor]) -> list[Draft]:
         return [Draft(self._propose(r, k) if k else []) for r, k in zip(requests, num_tokens)]
 
     def forget(self, live: set[str]) -> None:

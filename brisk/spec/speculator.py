@@ -1,9 +1,14 @@
-"""The speculator: after each step, which running sequences get drafts, and how many.
+"""The speculator: speculative decoding as the engine's step hook (engine/step_hook.py).
+
+Before each step it gives the running sequences that decode next a draft to verify, as a
+VerifyPlan; after the step it turns each plan's row samples into the tokens accepted
+(spec/verify.py) and names the K/V slots to keep.
 
 It owns a drafter (the seam every drafting method plugs into: `propose(requests, num_tokens,
-step)` returns a Draft for each of requests, a chain or a tree of tokens no deeper than
-num_tokens[i], given the step that just ran; `forget(live)` drops state of sequences no longer
-running) and the policy around it:
+hidden)` returns a Draft for each of requests, a chain or a tree of tokens no deeper than
+num_tokens[i], given the final hidden state each request's newest token was sampled from, where
+the drafter reads them; `forget(live)` drops state of sequences no longer running) and the
+policy around it:
 
 - a sequence drafts no further than the last token it may generate;
 - sequences under a grammar do not draft (their drafts would have to walk the grammar too);
@@ -16,16 +21,22 @@ at a position (spec/verify.py): with exactly reproducible logits, outputs do not
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from brisk.config import EngineConfig, SpeculativeConfig
 from brisk.engine.request import Request, RequestStatus
-from brisk.engine.runner import ModelRunner, RunnerOutput
-from brisk.model.loader import Checkpoint
+from brisk.engine.runner import RunnerOutput
+from brisk.engine.scheduler import SchedulerOutput
+from brisk.engine.step_hook import SlotMove
 from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.medusa_drafter import MedusaDrafter
 from brisk.spec.ngram import NgramDrafter
-from brisk.spec.verify import Draft
+from brisk.spec.verify import Draft, accepted_path, verify_plan
+
+if TYPE_CHECKING:
+    from brisk.engine.engine import LLMEngine
 
 # Running sequences past which speculation is off by default, per method (docs/benchmark-notes.md, CPU):
 # prompt lookup costs only the verify rows, and on copying prompts still paid 1.74x at 2
@@ -42,7 +53,10 @@ def drafting_limit(config: SpeculativeConfig) -> int:
 
 
 class Drafter(Protocol):
-    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]: ...
+    reads_hidden_states: bool  # whether propose() needs the hidden states (else it gets an empty dict)
+
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                hidden: dict[str, torch.Tensor]) -> list[Draft]: ...
 
     def forget(self, live: set[str]) -> None: ...
 
@@ -52,33 +66,65 @@ class Speculator:
         self.config = config
         self.drafter = drafter
         self.disable_by_batch_size = drafting_limit(config)
+        self._drafts: dict[str, Draft] = {}  # the drafts of the step under way, by request id
+        self._hidden: dict[str, torch.Tensor] = {}  # the last step's hidden states, for the drafter
 
     @classmethod
-    def build(cls, config: EngineConfig, target: Checkpoint, runner: ModelRunner, max_model_len: int,
-              num_kv_blocks: int) -> "Speculator":
-        """The speculator of config.speculative_config for the model `runner` runs; a draft
-        model gets a KV pool as large as the model's."""
+    def build(cls, engine: LLMEngine, config: EngineConfig | None = None) -> "Speculator":
+        """The speculator of the speculative_config of `config` (by default the engine's), for
+        the model the engine runs; a draft model gets a KV pool as large as the model's."""
+        config = config or engine.config
         spec = config.speculative_config
         if spec.method == "ngram":
             return cls(spec, NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
         if spec.method == "medusa":
-            return cls(spec, MedusaDrafter.load(spec, target.path, runner))
-        return cls(spec, DraftModelDrafter.load(config, target, max_model_len, num_kv_blocks))
+            return cls(spec, MedusaDrafter.load(spec, engine.checkpoint.path, engine.runner))
+        return cls(spec, DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, engine.kv.num_blocks))
 
-    def forget(self, running: list[Request]) -> None:
+    # ----- StepHook ---------------------------------------------------------------------------
+    def release(self, running: list[Request]) -> None:
         """Drops the drafter's state (a draft model's KV blocks) of sequences no longer running."""
         self.drafter.forget({r.request_id for r in running})
 
-    def propose(self, running: list[Request], step: RunnerOutput) -> None:
-        """Sets the drafts of the running sequences that decode next step, after `step`."""
-        self.forget(running)
+    def propose(self, running: list[Request]) -> None:
+        """Gives the running sequences that decode next step their drafts, as verify plans."""
+        self.release(running)
+        hidden, self._hidden = self._hidden, {}
+        for request in running:  # a plan the last step did not schedule (its sequence was preempted)
+            request.verify = None
         decoding = [r for r in running if r.status is RequestStatus.RUNNING
                     and r.num_tokens - r.num_computed_tokens == 1]
         if not decoding or len(running) > self.disable_by_batch_size:
             return
         budgets = [self._budget(r) for r in decoding]
-        for request, draft in zip(decoding, self.drafter.propose(decoding, budgets, step)):
-            request.draft_token_ids, request.draft_parents = draft.token_ids, draft.parents
+        for request, draft in zip(decoding, self.drafter.propose(decoding, budgets, hidden)):
+            if draft.token_ids:
+                self._drafts[request.request_id] = draft
+                request.verify = verify_plan(draft)
+
+    def verify(self, sched: SchedulerOutput, out: RunnerOutput) -> list[SlotMove]:
+        """Keeps, per verified sequence, the drafts the model's samples accept and the sample
+        after them; the K/V of kept rows off the main branch moves next to the known tokens."""
+        drafts, self._drafts = self._drafts, {}
+        moves = []
+        for chunk in sched.chunks:
+            rid = chunk.request.request_id
+            samples = out.sampled.get(rid)
+            if samples is None:
+                continue
+            used = [0]  # the rows whose samples are kept: root, then accepted drafts
+            if chunk.verify is not None:
+                draft = drafts[rid]
+                path = accepted_path(draft.token_ids, draft.parents, samples)
+                used += [i + 1 for i in path]
+                out.sampled[rid] = [draft.token_ids[i] for i in path] + [samples[used[-1]]]
+                if rid in out.logprobs:
+                    out.logprobs[rid] = [out.logprobs[rid][row] for row in used]
+                last = chunk.request.num_computed_tokens  # the slot of the sequence's last token
+                moves.extend(SlotMove(rid, last + row, last + depth) for depth, row in enumerate(used) if row != depth)
+            if self.drafter.reads_hidden_states:
+                self._hidden[rid] = out.hidden[out.first_row[rid] + used[-1]]
+        return moves
 
     def _budget(self, request: Request) -> int:
         if request.grammar is not None:

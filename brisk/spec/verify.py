@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from brisk.engine.step_hook import VerifyPlan
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -79,3 +81,24 @@ def tree_depths(parents: list[int]) -> list[int]:
     for parent in parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return depths
+
+
+def verify_plan(draft: Draft) -> VerifyPlan:
+    """The rows the runner computes for a draft: each token at the position of its depth, its
+    sampler counting its ancestors as output, and, in a tree, seeing only its ancestors among
+    the drafts before it (a chain needs no masks, so it may be of any length)."""
+    n = len(draft.token_ids)
+    branches = [branch(draft.parents, i) for i in range(n)]
+    before = [[draft.token_ids[j] for j in b] for b in branches]
+    if draft.parents is None:
+        return VerifyPlan(draft.token_ids, list(range(1, n + 1)), before)
+    return VerifyPlan(draft.token_ids, tree_depths(draft.parents), before,
+                      [_ancestor_mask(i, b) for i, b in enumerate(branches)])
+
+
+def _ancestor_mask(i: int, ancestors: list[int]) -> int:
+    """The keys draft i sees among the 63 before its own (attention.h's bits, as a signed 64-bit
+    integer): every one but the earlier drafts of other branches (draft j is i - j slots back)."""
+    hidden = set(range(i)) - set(ancestors)
+    bits = (1 << 64) - 1 - sum(1 << (i - j) for j in hidden)
+    return bits - (1 << 64) if bits >= 1 << 63 else bits

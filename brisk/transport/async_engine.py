@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+from brisk.assembly import build_engine
 from brisk.config import EngineConfig
 from brisk.transport.client import EngineDeadError, ModelInfo
 from brisk.transport.core_loop import Command, EngineLoop, Inbox
@@ -23,7 +24,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 class AsyncEngine(LoopClient):
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config or EngineConfig())
+        self.engine = engine or build_engine(config or EngineConfig())
         super().__init__(ModelInfo.of(self.engine), self.engine.tokenizer)
         self._inbox = Inbox()
         self._loop = EngineLoop(self.engine, self._inbox, outbox=self)

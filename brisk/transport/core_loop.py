@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Protocol
 from brisk.transport.client import EngineDeadError, QueueLoad
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
+from brisk.engine.request import EngineRequest
 from brisk.engine.stats import EngineSnapshot, IterationStats
-from brisk.sampling_params import SamplingParams
 
 logger = logging.getLogger("brisk.engine")
 
@@ -34,11 +34,7 @@ IDLE_TURN_SECONDS = 1.0
 # ----- commands: client -> loop -------------------------------------------------------------------
 @dataclass
 class AddRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams  # validated by the client already
-    cache_salt: str | None
+    request: EngineRequest  # checked by the client already
     load: QueueLoad  # what this request adds to the queue until the loop takes it in
 
 
@@ -218,9 +214,9 @@ class EngineLoop:
     def _add(self, command: AddRequest, step: StepOutputs) -> None:
         self._drained += command.load
         try:
-            self.engine.add_request({"prompt": command.prompt, "prompt_token_ids": command.prompt_token_ids},
-                                    command.params, request_id=command.request_id, cache_salt=command.cache_salt)
+            self.engine.add(command.request)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
-            logger.exception("request %s could not be added", command.request_id)
-            self.engine.abort_request(command.request_id)  # whatever part of it was registered
-            step.errors[command.request_id] = exc
+            request_id = command.request.request_id
+            logger.exception("request %s could not be added", request_id)
+            self.engine.abort_request(request_id)  # whatever part of it was registered
+            step.errors[request_id] = exc

@@ -40,11 +40,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+from brisk.assembly import build_engine
 import brisk
 from brisk.config import EngineConfig
 from brisk.transport.client import EngineDeadError, ModelInfo
 from brisk.transport.core_loop import CallReply, Command, EngineLoop, Inbox, StepOutputs
-from brisk.engine.engine import LLMEngine
 from brisk.transport.loop_client import LoopClient
 from brisk.model.loader import open_checkpoint
 
@@ -266,7 +266,7 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     start: CoreStart = conn.recv()
     try:
-        engine = LLMEngine(start.config)
+        engine = build_engine(start.config)
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which raises it
         conn.send(CoreFailed(_portable(exc)))
         return 1

@@ -22,7 +22,7 @@ from brisk.transport.client import EngineClient, EngineDeadError, ModelInfo, Que
 from brisk.transport.core_loop import AbortAll, AbortRequest, AddRequest, Call, CallReply, Command, StepOutputs
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
-from brisk.engine.request import validate_request
+from brisk.engine.request import EngineRequest
 from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.model.tokenizer import Tokenizer
 from brisk.sampling_params import SamplingParams
@@ -119,14 +119,15 @@ class LoopClient(EngineClient):
         self._raise_if_dead()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = validate_request(prompt_token_ids, params, self.model_info.vocab_size, self.model_info.max_model_len)
+        request = EngineRequest.checked(request_id, prompt_token_ids, params, self.model_info.vocab_size,
+                                        self.model_info.max_model_len, prompt=prompt, cache_salt=cache_salt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        load = QueueLoad(params.n, params.n * len(prompt_token_ids))
+        load = QueueLoad(request.params.n, request.params.n * len(prompt_token_ids))
         with self._lock:
             self._raise_if_dead()
             self._streams[request_id] = stream
             self._sent += load
-        self._post(AddRequest(request_id, prompt, list(prompt_token_ids), params, cache_salt, load))
+        self._post(AddRequest(request, load))
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:

@@ -35,8 +35,42 @@ class Model:
         self._gate.set()
 
 
+class Clock:
+    """A clock that moves only when told: the batcher's waits are then measured in exact steps.
+    `reads` counts how often the batcher looked at it."""
+
+    def __init__(self, now: float = 100.0):
+        self.now, self.reads = now, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
 async def _started(model: Model) -> None:
     await asyncio.get_running_loop().run_in_executor(None, model.started.wait, 10)
+
+
+async def _queued(batcher: DynamicBatcher, depth: int) -> None:
+    """Returns once `depth` items wait in the batcher's queue. Submitting takes no I/O, so each
+    pass of the event loop lets every submitting task reach the queue; 1000 passes are plenty."""
+    for _ in range(1000):
+        if batcher.queue_depth == depth:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{batcher.queue_depth} items are queued, not {depth}")
+
+
+async def _polled(batcher: DynamicBatcher, clock: Clock, times: int) -> None:
+    """Returns once the batcher has looked at the clock `times` more times (each of its polls
+    reads it twice), so whatever it decides at this clock reading has been decided; or at once
+    if it has emptied its queue (it stops polling then)."""
+    target = clock.reads + times
+    for _ in range(10_000):
+        if clock.reads >= target or not batcher.queue_depth:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the batcher stopped looking at its clock")
 
 
 def _batcher(model, records=None, **options) -> DynamicBatcher:
@@ -61,7 +95,7 @@ def _behind_a_held_batch(first: int, sizes: tuple[int, ...], **options):
         records = []
         model, batcher, held = await _held(first, records, **options)
         rest = [asyncio.ensure_future(batcher.submit(size)) for size in sizes]
-        await asyncio.sleep(0.01)
+        await _queued(batcher, len(sizes))
         model.release()
         results = await asyncio.gather(held, *rest, return_exceptions=True)
         await batcher.close()
@@ -97,7 +131,7 @@ def test_submit_many_queues_all_or_nothing_and_a_closed_batcher_refuses():
             await batcher.submit_many([2, 3, 4, 5])
         assert batcher.queue_depth == 0  # none of them was queued
         many = asyncio.ensure_future(batcher.submit_many([2, 3]))
-        await asyncio.sleep(0.01)
+        await _queued(batcher, 2)
         model.release()
         results = await asyncio.gather(first, many)
         await batcher.close()
@@ -114,17 +148,31 @@ def test_padding_is_counted_against_the_longest_item():
 
 
 def test_a_lone_item_waits_max_wait_and_a_full_batch_does_not():
-    async def run():
-        records = []
-        batcher = _batcher(Model(), records, max_wait_ms=80.0, max_batch_size=2)
-        await batcher.submit(1)  # alone: its batch starts once it has waited 80 ms
-        await asyncio.gather(batcher.submit(1), batcher.submit(2))  # full at once: no waiting
-        await batcher.close()
-        return records
+    """On a clock that moves only when the test moves it: a lone item's batch has not started a
+    microsecond before max_wait and starts at max_wait; a full batch starts with the clock
+    standing still (a batcher that waited for it would wait forever: wait_for fails it)."""
+    max_wait = 2 ** -7  # seconds (7.8125 ms): a binary fraction, so clock sums stay exact
 
-    records = asyncio.run(run())
-    assert records[0].size == 1 and records[0].queue_waits[0] >= 0.08
-    assert records[1].size == 2 and max(records[1].queue_waits) < 0.08
+    async def run():
+        records, clock, model = [], Clock(), Model()
+        batcher = _batcher(model, records, max_wait_ms=max_wait * 1000, max_batch_size=2, clock=clock)
+        lone = asyncio.ensure_future(batcher.submit(1))
+        await _queued(batcher, 1)
+        arrival = clock.now
+        clock.now = arrival + max_wait - 2 ** -20
+        await _polled(batcher, clock, 4)  # two polls at this reading
+        assert not model.started.is_set() and batcher.queue_depth == 1
+        clock.now = arrival + max_wait
+        assert await asyncio.wait_for(lone, 10) == 10
+        full = await asyncio.wait_for(asyncio.gather(batcher.submit(1), batcher.submit(2)), 10)
+        await batcher.close()
+        return records, full
+
+    records, full = asyncio.run(run())
+    assert full == [10, 20]
+    assert [r.size for r in records] == [1, 2]
+    assert records[0].queue_waits == [max_wait]
+    assert records[1].queue_waits == [0.0, 0.0]
 
 
 def test_each_caller_gets_its_own_error():
@@ -153,11 +201,9 @@ def test_a_cancelled_caller_leaves_the_queue():
     async def run():
         model, batcher, first = await _held()
         gone, kept = asyncio.ensure_future(batcher.submit(2)), asyncio.ensure_future(batcher.submit(3))
-        await asyncio.sleep(0.01)
-        assert batcher.queue_depth == 2
+        await _queued(batcher, 2)
         gone.cancel()
-        await asyncio.sleep(0.01)
-        assert batcher.queue_depth == 1
+        await _queued(batcher, 1)  # the cancelled caller's item is gone from the queue
         model.release()
         results = await asyncio.gather(first, kept)
         await batcher.close()
@@ -171,7 +217,7 @@ def test_a_full_queue_refuses_and_close_fails_every_caller():
     async def run():
         model, batcher, running = await _held(max_queue_size=2)
         waiting = [asyncio.ensure_future(batcher.submit(2)), asyncio.ensure_future(batcher.submit(3))]
-        await asyncio.sleep(0.01)
+        await _queued(batcher, 2)
         with pytest.raises(QueueFull, match="2 items are waiting"):
             await batcher.submit(4)
         closing = asyncio.ensure_future(batcher.close())
@@ -185,14 +231,25 @@ def test_a_full_queue_refuses_and_close_fails_every_caller():
 
 
 def test_records_describe_each_batch():
+    """Times on an injected clock: the items waited from arrival to their batch's start, and the
+    batched call's seconds are the time the model itself moved the clock by."""
+    clock = Clock(now=100.0)
+
+    def model(items):
+        clock.now += 0.25  # the batched call takes a quarter of a second on the batcher's clock
+        return [0] * len(items)
+
     async def run():
         records: list[BatchRecord] = []
-        batcher = DynamicBatcher(lambda items: [0] * len(items), len, max_batch_size=3, max_wait_ms=30.0,
-                                 on_batch=records.append)
-        await asyncio.gather(*(batcher.submit([0] * n) for n in (2, 3, 4)))
+        batcher = DynamicBatcher(model, len, max_batch_size=3, max_wait_ms=1e6, on_batch=records.append,
+                                 clock=clock)
+        first = asyncio.ensure_future(batcher.submit([0] * 2))
+        await _queued(batcher, 1)
+        clock.now += 0.5  # the second and third items arrive half a second later; then the batch is full
+        await asyncio.gather(first, *(batcher.submit([0] * n) for n in (3, 4)))
         await batcher.close()
         return records
 
     (record,) = asyncio.run(run())
     assert (record.size, record.tokens, record.padded_tokens, record.failed) == (3, 9, 12, 0)
-    assert len(record.queue_waits) == 3 and record.seconds >= 0
+    assert record.queue_waits == [0.5, 0.0, 0.0] and record.seconds == 0.25

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from brisk import SamplingParams
+from brisk.engine.request import EngineRequest
 from brisk.sampling_params import SamplingError
 from tests.conftest import assert_no_leaks
 from tests.helpers import hf_logits
@@ -174,4 +175,27 @@ def test_invalid_requests_raise_errors_naming_the_problem(real_llm):
         engine.add_request("", SamplingParams())
     with pytest.raises(SamplingError, match="stop_token_ids"):
         engine.add_request("hi", SamplingParams(stop_token_ids=[10**6]))
+    with pytest.raises(SamplingError, match=r"draft: \[-1\] are outside the vocabulary"):
+        EngineRequest.checked("r", [5, 6], SamplingParams(), engine.hparams.vocab_size, engine.max_model_len,
+                              draft=[7, -1])
+    assert_no_leaks(engine)
+
+
+def test_a_request_checked_at_the_edge_enters_the_core_as_it_is(real_llm):
+    """add() takes an EngineRequest without tokenizing or validating it again: the params it
+    carries (validated, so with the model's defaults filled in) are the ones that run."""
+    engine = real_llm.engine
+    ids = real_llm.tokenizer.encode("The capital of France is")
+    request = EngineRequest.checked("edge", ids, SamplingParams(temperature=0.0, max_tokens=5), engine.hparams.vocab_size,
+                                    engine.max_model_len, prompt="The capital of France is", tenant="acme",
+                                    priority=1, draft=[5, 6])
+    assert (request.tenant, request.priority, request.draft, request.prompt) == (
+        "acme", 1, (5, 6), "The capital of France is")
+    assert engine.add(request) == "edge"
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    [output] = outputs
+    expected = _one(real_llm, {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=5))
+    assert (output.prompt, output.outputs[0].token_ids) == ("The capital of France is", expected.outputs[0].token_ids)
     assert_no_leaks(engine)

@@ -7,6 +7,7 @@ import pytest
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.scheduler import Scheduler, StepCost
+from brisk.engine.step_hook import VerifyPlan
 from brisk.sampling_params import SamplingParams
 
 
@@ -223,15 +224,15 @@ def test_drafts_are_scheduled_with_the_last_token_and_rejected_ones_give_their_b
     s.add(_request("r", 3, max_tokens=20))
     _step(s)  # the prompt; token 7 sampled
     request = s.requests["r"]
-    request.draft_token_ids = [1, 2, 3, 4, 5]
+    request.verify = _chain([1, 2, 3, 4, 5])
     out = s.schedule()
     [chunk] = out.chunks
-    assert (chunk.num_new_tokens, chunk.draft_token_ids, chunk.completes_sequence) == (6, [1, 2, 3, 4, 5], True)
+    assert (chunk.num_new_tokens, chunk.verify.token_ids, chunk.completes_sequence) == (6, [1, 2, 3, 4, 5], True)
     assert len(s.kv.block_ids("r")) == 3  # positions 0-8
     progressed = s.update(out, {"r": [1, 2, 9]})  # two drafts accepted, then the model's own token
     assert (progressed[0].num_new_tokens, progressed[0].num_draft_tokens, progressed[0].num_accepted_tokens) == (3, 5, 2)
     assert request.token_ids == [0, 1, 2, 7, 1, 2, 9] and request.num_computed_tokens == 6
-    assert request.draft_token_ids == [] and len(s.kv.block_ids("r")) == 2  # the block of positions 8-11 is free
+    assert request.verify is None and len(s.kv.block_ids("r")) == 2  # the block of positions 8-11 is free
     assert s.kv.num_free_blocks == 6
 
 
@@ -240,8 +241,12 @@ def test_without_room_for_its_drafts_a_request_decodes_plainly_instead_of_preemp
     s.add(_request("a", 3, max_tokens=20))
     s.add(_request("b", 3, max_tokens=20, first_token=50))
     _step(s)
-    s.requests["a"].draft_token_ids = [1, 2, 3, 4, 5, 6]  # would need 2 more blocks; 1 is free
+    s.requests["a"].verify = _chain([1, 2, 3, 4, 5, 6])  # would need 2 more blocks; 1 is free
     out = s.schedule()
-    assert [(c.request.request_id, c.num_new_tokens, c.draft_token_ids) for c in out.chunks] == [
-        ("a", 1, []), ("b", 1, [])]
+    assert [(c.request.request_id, c.num_new_tokens, c.verify) for c in out.chunks] == [
+        ("a", 1, None), ("b", 1, None)]
     assert not out.preempted
+
+
+def _chain(token_ids: list[int]) -> VerifyPlan:
+    return VerifyPlan(token_ids, list(range(1, len(token_ids) + 1)), [token_ids[:i + 1] for i in range(len(token_ids))])

@@ -107,7 +107,7 @@ def test_gpu_defaults_bf16_and_a_cache_sized_from_gpu_memory(real_model_path, gp
     free_before, total = torch.cuda.mem_get_info()
     llm = LLM(real_model_path, device="cuda", gpu_memory_utilization=0.3, max_model_len=2048)
     engine = llm.engine
-    assert engine.dtype == torch.bfloat16 and engine.config.kv_cache_kind == "bfloat16"
+    assert engine.dtype == torch.bfloat16 and engine.config.kv_cache_kind_for(engine.dtype) == "bfloat16"
     s = engine.hparams
     cache_bytes = engine.kv.num_blocks * engine.kv.block_size * kv_bytes_per_token("bfloat16", s.num_layers,
                                                                                    s.num_kv_heads, s.head_dim)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from brisk.kernels import cpu as cpu_kernels
-from brisk.model import attention
-from brisk.model.attention import AttentionMetadata, PrefillSpan, write_kv
+from brisk.kernels.attention import AttentionMetadata, PrefillSpan
+from brisk.kernels.backend import KernelBackend
 from brisk.model.rope import Rope
 from brisk.kernels.kv_cache import KVCacheLayer
 from tests.helpers import require_c_compiler
@@ -18,6 +18,7 @@ from tests.helpers import require_c_compiler
 CPU = torch.device("cpu")
 require_c_compiler()
 
+C, TORCH = cpu_kernels.CBackend(), KernelBackend()  # the kernels, and the torch formulation they replace
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 KINDS = ["float32", "bfloat16", "float16", "int8"]
 # (query dtype, cache kind): every kind under fp32 queries, and bf16 queries over the caches a bf16 model would use.
@@ -34,10 +35,6 @@ def _cache(kind, num_blocks, kv_heads, block_size, dim):
     return cache
 
 
-def _torch_only(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "available", lambda x, cache: False)
-
-
 def _attend(fn, q, *args):
     out = torch.empty_like(q)
     fn(q, *args, out)
@@ -51,16 +48,15 @@ def _tolerance(dtype, kind):
 
 @pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("heads, kv_heads, block_size, dim", [(9, 3, 16, 64), (4, 4, 4, 32), (8, 2, 8, 16)])
-def test_decode_kernel_matches_torch(monkeypatch, dtype, kind, heads, kv_heads, block_size, dim):
+def test_decode_kernel_matches_torch(dtype, kind, heads, kv_heads, block_size, dim):
     cache = _cache(kind, 50, kv_heads, block_size, dim)
     lengths = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 77], dtype=torch.long)
     width = int((lengths.max() + block_size - 1) // block_size)
     tables = torch.stack([torch.randperm(50, generator=torch.Generator().manual_seed(i))[:width] for i in range(5)])
     q = torch.randn(5, heads, dim).to(dtype)
     meta = AttentionMetadata(None, None, num_decodes=5, decode_block_tables=tables, decode_context_lens=lengths)
-    ours = _attend(attention._decode_attention, q, cache, meta, dim ** -0.5)
-    _torch_only(monkeypatch)
-    reference = _attend(attention._decode_attention, q.float(), cache, meta, dim ** -0.5)
+    ours = _attend(C.decode_attention, q, cache, meta, dim ** -0.5)
+    reference = _attend(TORCH.decode_attention, q.float(), cache, meta, dim ** -0.5)
     assert (ours.float() - reference).abs().max().item() < _tolerance(dtype, kind)
 
 
@@ -74,7 +70,7 @@ def threads():
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 @pytest.mark.parametrize("length", [1, 16, 17, 77, 300])
-def test_one_sequence_split_across_threads_matches_torch(monkeypatch, threads, num_threads, length):
+def test_one_sequence_split_across_threads_matches_torch(threads, num_threads, length):
     """One sequence has fewer (sequence, kv head) tasks than threads want, so its keys are split
     into parts whose softmaxes are merged after (attention.h): the merge must give the same."""
     threads(num_threads)
@@ -83,9 +79,8 @@ def test_one_sequence_split_across_threads_matches_torch(monkeypatch, threads, n
     q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(2))
     meta = AttentionMetadata(None, None, num_decodes=1, decode_block_tables=table,
                              decode_context_lens=torch.tensor([length]))
-    ours = _attend(attention._decode_attention, q, cache, meta, 0.125)
-    _torch_only(monkeypatch)
-    assert (ours - _attend(attention._decode_attention, q, cache, meta, 0.125)).abs().max().item() < 2e-6
+    ours = _attend(C.decode_attention, q, cache, meta, 0.125)
+    assert (ours - _attend(TORCH.decode_attention, q, cache, meta, 0.125)).abs().max().item() < 2e-6
 
 
 def _ancestor_mask(row_slot: int, visible_slots: list[int]) -> int:
@@ -95,7 +90,7 @@ def _ancestor_mask(row_slot: int, visible_slots: list[int]) -> int:
 
 
 @pytest.mark.parametrize("c_kernel", [True, False])
-def test_tree_rows_see_their_context_and_ancestors_only(monkeypatch, c_kernel):
+def test_tree_rows_see_their_context_and_ancestors_only(c_kernel):
     """A candidate tree after a 40-token context: the root (slot 40) and nodes 0-4 (slots 41-45)
     with parents root, 0, root, 2, 1, next to a plain sequence's row. Each row must equal softmax
     attention over exactly the slots it sees, computed densely from the K/V the cache holds."""
@@ -116,9 +111,7 @@ def test_tree_rows_see_their_context_and_ancestors_only(monkeypatch, c_kernel):
                              decode_context_lens=torch.tensor([slot + 1 for slot, _ in rows]),
                              decode_ancestor_masks=torch.tensor(masks, dtype=torch.long))
     q = torch.randn(len(rows), heads, dim, generator=g)
-    if not c_kernel:
-        _torch_only(monkeypatch)
-    ours = _attend(attention._decode_attention, q, cache, meta, dim ** -0.5)
+    ours = _attend((C if c_kernel else TORCH).decode_attention, q, cache, meta, dim ** -0.5)
     for r, (_, seen) in enumerate(rows):
         for h in range(heads):
             kv = h // (heads // kv_heads)
@@ -141,7 +134,7 @@ def test_a_tree_row_whose_hidden_keys_fill_a_whole_part(threads, num_threads):
                              decode_context_lens=torch.tensor([57]),
                              decode_ancestor_masks=torch.tensor([_ancestor_mask(56, seen)], dtype=torch.long))
     q = torch.randn(1, 4, dim, generator=g)
-    ours = _attend(attention._decode_attention, q, cache, meta, dim ** -0.5)
+    ours = _attend(C.decode_attention, q, cache, meta, dim ** -0.5)
     for h in range(4):
         weights = torch.softmax(keys[seen, h // 2] @ q[0, h] * dim ** -0.5, dim=0)
         assert torch.allclose(ours[0, h], weights @ values[seen, h // 2], atol=2e-6), h
@@ -149,19 +142,19 @@ def test_a_tree_row_whose_hidden_keys_fill_a_whole_part(threads, num_threads):
 
 @pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("first_position, chunk", [(0, 1), (0, 37), (0, 100), (5, 1), (16, 16), (29, 50)])
-def test_prefill_kernel_matches_torch(monkeypatch, dtype, kind, first_position, chunk):
+def test_prefill_kernel_matches_torch(dtype, kind, first_position, chunk):
     heads, kv_heads, block_size, dim = 6, 2, 16, 64
     cache = _cache(kind, 40, kv_heads, block_size, dim)
     context = first_position + chunk
     table = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:(context + block_size - 1) // block_size]
     positions = torch.arange(first_position, context)
     meta = AttentionMetadata(table[positions // block_size], positions % block_size)
-    write_kv(cache, torch.randn(chunk, kv_heads, dim).to(dtype), torch.randn(chunk, kv_heads, dim).to(dtype), meta)
+    cache.write(torch.randn(chunk, kv_heads, dim).to(dtype), torch.randn(chunk, kv_heads, dim).to(dtype),
+                meta.slot_blocks, meta.slot_offsets)
     q = torch.randn(chunk, heads, dim).to(dtype)
     span = PrefillSpan(0, chunk, context, table)
-    ours = _attend(attention._prefill_attention, q, cache, span, 0.125)
-    _torch_only(monkeypatch)
-    reference = _attend(attention._prefill_attention, q.float(), cache, span, 0.125)
+    ours = _attend(C.span_attention, q, cache, span, 0.125)
+    reference = _attend(TORCH.span_attention, q.float(), cache, span, 0.125)
     assert (ours.float() - reference).abs().max().item() < _tolerance(dtype, kind)
 
 
@@ -189,7 +182,7 @@ def test_rope_write_kv_matches_torch(dtype, kind, qk_norm):
         qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), norms[0].float(), 1e-6),
                         F.rms_norm(qk[:, heads:], (dim,), norms[1].float(), 1e-6)], dim=1)
     rotated = rope.apply(qk)
-    write_kv(reference, rotated[:, heads:], x[:, heads + kv_heads:], meta)
+    reference.write(rotated[:, heads:], x[:, heads + kv_heads:], meta.slot_blocks, meta.slot_offsets)
     tolerance = TOLERANCE[dtype] * 4
     assert (q.float() - rotated[:, :heads]).abs().max().item() < tolerance
     if kind == "int8":
@@ -237,8 +230,8 @@ def test_linear_rows_matches_torch(dtype, rows, with_bias):
     weight = torch.randn(203, 96, generator=g).to(dtype)
     bias = torch.randn(203, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, 96, generator=g).to(dtype)
-    assert cpu_kernels.linear_available(x, weight)
     ours = cpu_kernels.linear_rows(x, weight, bias)
+    assert torch.equal(C.linear(x, weight, bias), ours)  # the backend runs these rows in the kernel
     exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     reference = exact.float()
     assert ours.dtype == dtype and ours.shape == (rows, 203)
@@ -250,10 +243,16 @@ def test_linear_rows_matches_torch(dtype, rows, with_bias):
         assert torch.allclose(ours.float(), reference, rtol=2**-8, atol=1e-6)
 
 
-def test_linear_rows_is_only_chosen_for_small_cpu_batches():
+def test_linear_rows_is_only_chosen_for_small_cpu_batches(monkeypatch):
+    rows = []
+    run = cpu_kernels.linear_rows
+    monkeypatch.setattr(cpu_kernels, "linear_rows", lambda x, *args: rows.append(x.shape[0]) or run(x, *args))
     weight = torch.zeros(8, 4)
-    assert not cpu_kernels.linear_available(torch.zeros(cpu_kernels.SMALL_BATCH_ROWS + 1, 4), weight)
-    assert not cpu_kernels.linear_available(torch.zeros(2, 4, dtype=torch.float64), weight.double())
+    C.linear(torch.zeros(cpu_kernels.SMALL_BATCH_ROWS + 1, 4), weight)  # BLAS
+    C.linear(torch.zeros(2, 4, dtype=torch.float64), weight.double())  # no float64 kernel
+    C.linear(torch.zeros(2, 4, requires_grad=True), weight)  # autograd
+    C.linear(torch.zeros(3, 4), weight)
+    assert rows == [3]
 
 
 def test_loading_the_kernels_keeps_subnormal_floats(tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
 """The Triton kernels (kernels/triton_attention.py, kernels/triton_layer_ops.py) against the torch
 code they replace: on a GPU compiled, elsewhere in Triton's interpreter (TRITON_INTERPRET=1, set
 here before Triton loads), so CI checks them on every change without one. Then a tiny model
-run through them end to end (gpu.serve_cpu_tensors set for that test alone) gives the torch
-path's greedy tokens."""
+run through them end to end (a TritonBackend built to serve CPU tensors in the interpreter, for
+that test's model alone) gives the torch backend's greedy tokens."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import_or_require("triton", "Triton (the test extra)")
 import torch.nn.functional as F  # noqa: E402
 
 from brisk import LLM, SamplingParams  # noqa: E402
-from brisk.kernels import cpu as cpu_kernels  # noqa: E402
-from brisk.kernels import gpu as gpu_kernels  # noqa: E402
+from brisk.kernels.backend import KernelBackend  # noqa: E402
+from brisk.kernels.gpu import TritonBackend  # noqa: E402
 from brisk.kernels import triton_attention, triton_layer_ops, triton_quant  # noqa: E402
-from brisk.model.attention import AttentionMetadata, PrefillSpan, _decode_attention_torch, _prefill_attention  # noqa: E402
+from brisk.kernels.attention import AttentionMetadata, PrefillSpan, decode_attention_torch  # noqa: E402
 from brisk.model.rope import Rope  # noqa: E402
 from brisk.quant.formats import quantize  # noqa: E402
 from brisk.kernels.kv_cache import KVCacheLayer  # noqa: E402
@@ -64,7 +64,7 @@ def test_decode_attention_matches_torch(cache, q_dtype, width, contexts):
     for masks in (None, torch.tensor([-1, 0b101, -1 ^ 0b110], device=DEVICE)):
         meta = AttentionMetadata(None, None, num_decodes=n, decode_block_tables=tables, decode_context_lens=lens,
                                  decode_ancestor_masks=masks)
-        expected = _decode_attention_torch(q.float(), cache, meta, 0.2)
+        expected = decode_attention_torch(q.float(), cache, meta, 0.2)
         out = torch.empty_like(q)
         triton_attention.decode_attention(q, cache, tables, lens, 0.2, out, masks)
         assert (out.float() - expected).abs().max().item() < _tolerance(q_dtype)
@@ -86,7 +86,7 @@ def test_prefill_attention_matches_torch(cache, q_dtype):
     q = torch.randn(90, H_KV * GROUP, D, device=DEVICE, dtype=q_dtype)
     expected = torch.empty(90, H_KV * GROUP, D, device=DEVICE)
     for span in spans:
-        _prefill_attention(q[span.start:span.end].float(), cache, span, 0.2, expected[span.start:span.end])
+        KernelBackend().span_attention(q[span.start:span.end].float(), cache, span, 0.2, expected[span.start:span.end])
     meta = AttentionMetadata(torch.zeros(1, device=DEVICE), None, prefills=spans)
     batch = meta.prefill_batch()
     out = torch.empty_like(q)
@@ -153,26 +153,18 @@ def test_low_bit_matmul_matches_the_dequantized_weights(fmt, group_size, q_dtype
 
 
 @pytest.mark.parametrize("architecture,kind,quantization", [("llama", "float32", None), ("qwen3", "int8", "int4")])
-def test_tiny_model_through_triton_gives_the_torch_path_tokens(tmp_path, monkeypatch, architecture, kind,
-                                                               quantization):
+def test_tiny_model_through_triton_gives_the_torch_path_tokens(tmp_path, architecture, kind, quantization):
     """Chunked prefill (16-token steps over a 20-token prompt), decodes, a Qwen3 model's per-head
     norms, an int8 cache and int4 weights (an int8 head), every layer op in Triton, against the
     same model with every op in torch."""
     folder = build_tiny_checkpoint(str(tmp_path), architecture)
-    for name in ("available", "layer_ops_available", "decode_layers_available", "linear_available", "quant_available",
-                 "sampling_available"):
-        monkeypatch.setattr(cpu_kernels, name, lambda *args, **kwargs: False)
-    monkeypatch.setattr(gpu_kernels, "serve_cpu_tensors", True)
     prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [30, 31, 32]}]
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
-    def tokens() -> list[list[int]]:
+    def tokens(kernels) -> list[list[int]]:
         llm = LLM(folder, dtype="float32", device=DEVICE.type, num_kv_blocks=32, kv_cache_dtype=kind,
                   quantization=quantization, max_num_batched_tokens=16, enforce_eager=True)
+        llm.engine.model.use_kernels(kernels)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
-    through_triton = tokens()
-    monkeypatch.setattr(gpu_kernels, "available", lambda *args, **kwargs: False)
-    monkeypatch.setattr(gpu_kernels, "attention_available", lambda *args, **kwargs: False)
-    monkeypatch.setattr(gpu_kernels, "quant_available", lambda *args, **kwargs: False)
-    assert through_triton == tokens()
+    assert tokens(TritonBackend(interpret=DEVICE.type == "cpu")) == tokens(KernelBackend())

@@ -61,7 +61,7 @@ def test_fused_decode_step_matches_layer_by_layer(tiny_model_dir, dtype, kv_cach
     for cache, saved in zip(engine.runner.kv_caches, before):
         for t, t0 in zip(cache.tensors(), saved):
             t.copy_(t0)
-    monkeypatch.setattr(cpu_kernels, "decode_layers_available", lambda weight, cache: False)
+    engine.model.use_kernels(cpu_kernels.CBackend(fuse_decode=False))
     layered = _forward(engine, decodes)
 
     assert fused.dtype == layered.dtype and fused.shape == layered.shape == (4, engine.hparams.hidden_size)

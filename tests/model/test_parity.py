@@ -8,7 +8,8 @@ import random
 import pytest
 
 from brisk import LLM, SamplingParams
-from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels.backend import KernelBackend
+from brisk.kernels.cpu import CBackend
 from tests.conftest import TINY_VOCAB, assert_no_leaks, hf_greedy, load_hf_reference
 from tests.helpers import brisk_logits, hf_logits
 
@@ -27,15 +28,16 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(params=["kernels", "layered", "torch"])
-def backend(request, monkeypatch) -> str:
-    """The C kernels (the CPU default: small decode steps in one fused call), the same kernels
-    called layer by layer, or every op in its torch formulation (GPUs, no compiler)."""
-    off = {"kernels": (), "layered": ("decode_layers_available",),
-           "torch": ("available", "linear_available", "layer_ops_available", "sampling_available",
-                     "decode_layers_available")}[request.param]
-    for name in off:
-        monkeypatch.setattr(cpu_kernels, name, lambda *tensors: False)
-    return request.param
+def backend(request, tiny_pair) -> str:
+    """The model runs in the C kernels (the CPU default: small decode steps in one fused call),
+    the same kernels called layer by layer, or every op in its torch formulation (GPUs, no
+    compiler)."""
+    model = tiny_pair[0].engine.model
+    chosen = model.kernels
+    model.use_kernels({"kernels": CBackend(), "layered": CBackend(fuse_decode=False),
+                       "torch": KernelBackend()}[request.param])
+    yield request.param
+    model.use_kernels(chosen)
 
 
 def test_logits_match_transformers(tiny_pair, backend):

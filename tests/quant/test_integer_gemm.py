@@ -9,14 +9,19 @@ import torch
 from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels.backend import KernelBackend, choose_backend
 from brisk.quant.formats import quantize
-from brisk.quant.modules import OUTLIER_THRESHOLD, QuantizedLinear, int8_rows, set_int8_activations
+from brisk.quant.modules import OUTLIER_THRESHOLD, QuantizedLinear, set_int8_activations
 from tests.helpers import require_c_compiler
 
 
-def _layer(rows: int, cols: int, seed: int = 0) -> QuantizedLinear:
+int8_rows = KernelBackend().quantize_rows_int8  # the torch formulation, the C kernel's reference
+
+
+def _layer(rows: int, cols: int, seed: int = 0, kernels: KernelBackend | None = None) -> QuantizedLinear:
     g = torch.Generator().manual_seed(seed)
-    layer = QuantizedLinear(quantize(torch.randn(rows, cols, generator=g), "int8"), torch.randn(rows, generator=g))
+    layer = QuantizedLinear(quantize(torch.randn(rows, cols, generator=g), "int8"), torch.randn(rows, generator=g),
+                            kernels=kernels or choose_backend(torch.device("cpu")))
     set_int8_activations(nn.Sequential(layer))
     assert layer.int8_activations
     return layer
@@ -33,10 +38,10 @@ def test_int8_rows_round_each_row_to_its_own_scale():
 
 @pytest.mark.parametrize("m", [9, 17, 70])
 @pytest.mark.parametrize("in_c", [True, False], ids=["c", "torch"])
-def test_more_than_eight_rows_multiply_in_integers(m, in_c, monkeypatch):
-    if not in_c:
-        monkeypatch.setattr(cpu_kernels, "quant_available", lambda x: False)
-    layer = _layer(37, 131)
+def test_more_than_eight_rows_multiply_in_integers(m, in_c):
+    if in_c:
+        require_c_compiler()
+    layer = _layer(37, 131, kernels=cpu_kernels.CBackend() if in_c else KernelBackend())
     x = torch.randn(m, 131, generator=torch.Generator().manual_seed(2)).clamp(-3, 3)  # no outliers
     codes, scales, _ = int8_rows(x, OUTLIER_THRESHOLD)
     weight = layer.qweight

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from brisk import SamplingParams
-from brisk.sample import grammar as grammar_module
+from brisk.kernels.backend import KernelBackend, choose_backend
 from brisk.sample.grammar import GrammarCompiler, StructuredOutputs, apply_bitmask, close_objects, fill_bitmask
 from brisk.sampling_params import SamplingError
 
@@ -96,8 +96,8 @@ def test_the_mask_allows_exactly_the_tokens_the_grammar_accepts(real_llm):
                for t in allowed[1])
     logits = torch.randn(3, vocab)
     reference = logits.clone()
-    grammar_module._apply_bitmask_torch(reference, torch.tensor([0, 2]), mask)
-    apply_bitmask(logits, torch.tensor([0, 2]), mask)  # the C kernel where there is a compiler
+    apply_bitmask(reference, torch.tensor([0, 2]), mask, KernelBackend())
+    apply_bitmask(logits, torch.tensor([0, 2]), mask, choose_backend(torch.device("cpu")))  # C, given a compiler
     assert torch.equal(logits, reference)
     assert (logits[0].isfinite().nonzero().flatten().tolist(), logits[2].isfinite().nonzero().flatten().tolist()) == \
         (allowed[0], allowed[1])

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from brisk.kernels.backend import KernelBackend
 from brisk.sample.logprobs import Logprob, prompt_logprobs, rank_targets, token_logprobs
 from tests.helpers import require_c_compiler
 
@@ -29,7 +30,7 @@ def _same(entry, expected) -> bool:
 
 
 def test_prompt_logprobs_put_the_target_first_then_the_top_k_with_their_ranks():
-    entries = prompt_logprobs(LOGITS, [2, 1, 1], k=2)
+    entries = prompt_logprobs(LOGITS, [2, 1, 1], 2, KernelBackend())
     assert _same(entries[0], {2: Logprob(_lp(0, 2), 2), 1: Logprob(_lp(0, 1), 1)})
     assert list(entries[0]) == [2, 1]  # the target keeps its own rank when it is also in the top-k
     assert _same(entries[1], {1: Logprob(_lp(1, 1), 3), 0: Logprob(_lp(1, 0), 1), 2: Logprob(_lp(1, 2), 2)})
@@ -38,14 +39,14 @@ def test_prompt_logprobs_put_the_target_first_then_the_top_k_with_their_ranks():
 
 
 def test_rank_counts_only_strictly_better_tokens():
-    entries = prompt_logprobs(LOGITS, [1, 3, 0], k=0)
+    entries = prompt_logprobs(LOGITS, [1, 3, 0], 0, KernelBackend())
     assert _same(entries[0], {1: Logprob(_lp(0, 1), 1)})
     assert _same(entries[1], {3: Logprob(-math.inf, 4)})  # probability 0: behind every other token
     assert _same(entries[2], {0: Logprob(_lp(2, 0), 1)})  # tied for best
 
 
 def test_token_logprobs_give_each_row_the_top_k_it_asked_for():
-    ranked = rank_targets(EXPECTED, torch.tensor([0, 2, 1]), k=2)
+    ranked = rank_targets(EXPECTED, torch.tensor([0, 2, 1]), 2, KernelBackend())
     bare, two, none = token_logprobs(ranked, [0, 2, 1], [0, 2, None])
     assert _same(bare, {0: Logprob(_lp(0, 0), 3)})
     assert _same(two, {2: Logprob(_lp(1, 2), 2), 0: Logprob(_lp(1, 0), 1)}) and list(two) == [2, 0]
@@ -53,22 +54,21 @@ def test_token_logprobs_give_each_row_the_top_k_it_asked_for():
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_float32_logprobs_rank_as_log_softmax_does(path, monkeypatch):
+def test_float32_logprobs_rank_as_log_softmax_does(path):
     """The C pass (CPU) and the torch formulation (elsewhere) against float64 log_softmax, with
     banned (-inf) logits, a -inf target and a tie."""
-    from brisk.kernels import cpu as cpu_kernels
+    from brisk.kernels.cpu import CBackend
 
-    if path == "torch":
-        monkeypatch.setattr(cpu_kernels, "sampling_available", lambda logits: False)
-    else:
+    if path == "kernel":
         require_c_compiler()
+    kernels = CBackend() if path == "kernel" else KernelBackend()
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 5000, generator=g) * 4
     targets = torch.randint(0, 5000, (64,), generator=g)
     logits[5, :100] = -math.inf
     logits[3, 17], targets[3] = -math.inf, 17
     logits[7, 9], targets[7] = logits[7, 10], 9
-    ranked = rank_targets(logits, targets, k=5)
+    ranked = rank_targets(logits, targets, 5, kernels)
 
     exact = torch.log_softmax(logits.double(), dim=-1)
     chosen = exact.gather(1, targets.unsqueeze(1)).squeeze(1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
-from brisk.sample import sampler as sampler_module
+from brisk.kernels.backend import KernelBackend, choose_backend
 from brisk.sample.penalties import Penalties
 from brisk.sample.random import to_int64, uniforms
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
@@ -20,13 +20,12 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def path(request, monkeypatch) -> str:
+def path(request) -> KernelBackend:
     """Runs a test through the C kernel and through the torch formulation (GPUs, no compiler)."""
     if request.param == "kernel":
         require_c_compiler()
-    else:
-        monkeypatch.setattr(cpu_kernels, "sampling_available", lambda logits: False)
-    return request.param
+        return cpu_kernels.CBackend()
+    return KernelBackend()
 
 
 def _rows(*params: SamplingParams, prompt=(1, 2, 3), output=(), seeds=None) -> list[SamplingRow]:
@@ -40,13 +39,15 @@ def _penalties(params: SamplingParams, prompt, output) -> Penalties:
     return Penalties.from_tokens([params], [list(prompt)], [list(output)], 4, CPU)
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]):
-    return sample(logits.clone(), SamplingBatch.from_rows(rows, logits.shape[-1], CPU))
+def _sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: KernelBackend | None = None):
+    """Samples in `kernels`, by default the backend this host's models get."""
+    return sample(logits.clone(), SamplingBatch.from_rows(rows, logits.shape[-1], CPU), kernels or choose_backend(CPU))
 
 
-def _counts(logits_row: list[float], params: SamplingParams, draws: int = 400) -> torch.Tensor:
+def _counts(logits_row: list[float], params: SamplingParams, kernels: KernelBackend,
+            draws: int = 400) -> torch.Tensor:
     logits = torch.tensor([logits_row] * draws)
-    tokens = _sample(logits, _rows(*[params] * draws)).token_ids
+    tokens = _sample(logits, _rows(*[params] * draws), kernels).token_ids
     return torch.bincount(tokens, minlength=len(logits_row))
 
 
@@ -128,9 +129,9 @@ def test_kernel_follows_the_torch_formulation_token_for_token(rows, vocab, sprea
         penalties=None, penalty_rows=None, bans=None, biases=None, grammar_rows=None, bitmask=None,
         num_logprobs=None)
     batch.top_k, batch.top_p, batch.min_p = batch.top_k.long(), batch.top_p.float(), batch.min_p.float()
-    kernel = cpu_kernels.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
-                                     batch.uniforms)
-    assert torch.equal(kernel, sampler_module._sample_torch(logits.clone(), batch))
+    columns = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.uniforms)
+    kernel = cpu_kernels.sample_rows(logits, *columns)
+    assert torch.equal(kernel, KernelBackend().sample_rows(logits.clone(), *columns))
 
 
 @pytest.mark.parametrize("params", [
@@ -143,7 +144,7 @@ def test_draws_follow_the_exact_distribution(path, params):
     """Chi-square of 6,000 draws (seeds 0..5999 at one position) against the rule's probabilities."""
     logits_row = [2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]
     draws = 6000
-    counts = _counts(logits_row, params, draws=draws)
+    counts = _counts(logits_row, params, path, draws=draws)
     assert _chi_square_p_value(counts, _exact_distribution(logits_row, params)) > 1e-4
 
 
@@ -156,6 +157,7 @@ def test_draws_of_a_tiny_model_follow_its_softmax(path, tmp_path):
     prompt, draws = [5, 9, 13], 3000
     params = [SamplingParams(temperature=2.0, top_p=0.95, max_tokens=1, ignore_eos=True, seed=s) for s in range(draws)]
     llm = LLM(folder, dtype="float32", num_kv_blocks=64, max_model_len=64)
+    llm.engine.model.use_kernels(path)
     outputs = llm.generate([{"prompt_token_ids": prompt}] * draws, params, use_tqdm=False)
     reference = load_hf_reference(folder)(torch.tensor([prompt])).logits[0, -1].tolist()
     counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[0] for o in outputs]), minlength=len(reference))
@@ -164,25 +166,25 @@ def test_draws_of_a_tiny_model_follow_its_softmax(path, tmp_path):
 
 def test_top_k_1_is_greedy(path):
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
-    out = _sample(logits, _rows(*[SamplingParams(temperature=1.5, top_k=1)] * 64))
+    out = _sample(logits, _rows(*[SamplingParams(temperature=1.5, top_k=1)] * 64), path)
     assert torch.equal(out.token_ids, logits.argmax(-1))
 
 
 def test_greedy_rows_take_the_argmax_next_to_sampled_rows(path):
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
     out = _sample(logits, _rows(SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
-                                SamplingParams(temperature=1.0, top_k=1)))
+                                SamplingParams(temperature=1.0, top_k=1)), path)
     assert out.token_ids.tolist() == [1, 0, 2]
 
 
 def test_top_p_keeps_the_smallest_nucleus(path):
     probs = [0.5, 0.3, 0.15, 0.05]
-    counts = _counts([math.log(p) for p in probs], SamplingParams(top_p=0.75))
+    counts = _counts([math.log(p) for p in probs], SamplingParams(top_p=0.75), path)
     assert counts[2] == 0 and counts[3] == 0 and counts[0] > 0 and counts[1] > 0
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_best(path):
-    counts = _counts([math.log(p) for p in (0.6, 0.3, 0.1)], SamplingParams(min_p=0.5))
+    counts = _counts([math.log(p) for p in (0.6, 0.3, 0.1)], SamplingParams(min_p=0.5), path)
     assert counts[2] == 0 and counts[1] > 0
 
 
@@ -192,15 +194,15 @@ def test_a_zero_uniform_takes_the_first_kept_token_not_a_dropped_one(path):
     params = [SamplingParams(top_k=2), SamplingParams(temperature=1.0), SamplingParams(top_p=0.5)]
     batch = SamplingBatch.from_rows(_rows(*params), 4, CPU)
     batch.uniforms = torch.zeros(3, dtype=torch.float64)
-    assert sample(logits.clone(), batch).token_ids.tolist() == [1, 1, 1]
+    assert sample(logits.clone(), batch, path).token_ids.tolist() == [1, 1, 1]
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch(path):
     row = torch.randn(1, 100, generator=torch.Generator().manual_seed(1))
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
-    alone = [_sample(row, _rows(seeded)).token_ids.item() for _ in range(3)]
+    alone = [_sample(row, _rows(seeded), path).token_ids.item() for _ in range(3)]
     crowd = torch.cat([torch.randn(5, 100), row])
-    in_batch = _sample(crowd, _rows(*[SamplingParams()] * 5, seeded)).token_ids[-1].item()
+    in_batch = _sample(crowd, _rows(*[SamplingParams()] * 5, seeded), path).token_ids[-1].item()
     assert alone == [alone[0]] * 3 and in_batch == alone[0]
 
 
@@ -240,7 +242,7 @@ def test_penalty_tensors_only_for_the_rows_that_use_them():
     assert mixed.penalty_rows.tolist() == [1] and mixed.penalties.presence.flatten().tolist() == [0.5]
     logits = torch.zeros(3, 4)
     mixed.penalties.output_counts[0, 2] = 1  # as if row 1 had generated token 2
-    assert mixed.adjust(logits)[:, 2].tolist() == [0.0, -0.5, 0.0]
+    assert mixed.adjust(logits, KernelBackend())[:, 2].tolist() == [0.0, -0.5, 0.0]
 
 
 def test_logprobs_are_raw_model_logprobs_with_ranks():

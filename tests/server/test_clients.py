@@ -294,7 +294,18 @@ def test_lm_eval_local_completions_multiple_choice(base_url, offline_expectation
     assert metrics["acc_norm,none"] == pytest.approx(correct_norm / len(docs))
 
 
-def test_lm_eval_local_completions_generation(base_url, offline_expectations, lm_eval_tasks, monkeypatch):
+def _gen_docs() -> list[dict]:
+    return [json.loads(line) for line in (DATA / "brisk_gen.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _gen_context(doc: dict) -> str:
+    return f"Question: {doc['question']}\nAnswer:"  # brisk_gen.yaml's doc_to_text
+
+
+GEN_TOKENS = 16  # brisk_gen.yaml's max_gen_toks
+
+
+def test_lm_eval_local_completions_generation(base_url, http, offline_expectations, lm_eval_tasks, monkeypatch):
     """generate_until through local-completions: token-id prompts, stop = ["\\n", EOS text], seed."""
     import_or_require("lm_eval", "lm-eval (the test extra)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -308,11 +319,17 @@ def test_lm_eval_local_completions_generation(base_url, offline_expectations, lm
     results = lm_eval.simple_evaluate(model=lm, tasks=["brisk_gen"], bootstrap_iters=0,
                                       task_manager=TaskManager(include_path=lm_eval_tasks, include_defaults=False))
     samples = results["samples"]["brisk_gen"]
-    assert len(samples) == 3
-    assert all(isinstance(s["resps"][0][0], str) and "\n" not in s["resps"][0][0] for s in samples)
+    assert sorted(s["doc"]["question"] for s in samples) == sorted(d["question"] for d in _gen_docs())
+    for sample in samples:  # what the server answers the same token ids, greedy, stopping at a line end
+        context = _gen_context(sample["doc"])
+        body = {"model": MODEL, "prompt": lm.tok_encode(context), "max_tokens": GEN_TOKENS, "temperature": 0,
+                "stop": ["\n"]}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert sample["resps"][0][0] == r.json()["choices"][0]["text"], context
 
 
-def test_lm_eval_local_chat_completions_generation(base_url, lm_eval_tasks, monkeypatch):
+def test_lm_eval_local_chat_completions_generation(base_url, http, lm_eval_tasks, monkeypatch):
     """local-chat-completions (needs apply_chat_template): messages, max_tokens, stop, seed."""
     import_or_require("lm_eval", "lm-eval (the test extra)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -326,7 +343,13 @@ def test_lm_eval_local_chat_completions_generation(base_url, lm_eval_tasks, monk
         tasks=["brisk_gen"], apply_chat_template=True, bootstrap_iters=0,
         task_manager=TaskManager(include_path=lm_eval_tasks, include_defaults=False))
     samples = results["samples"]["brisk_gen"]
-    assert len(samples) == 3 and all(isinstance(s["resps"][0][0], str) for s in samples)
+    assert sorted(s["doc"]["question"] for s in samples) == sorted(d["question"] for d in _gen_docs())
+    for sample in samples:  # what the server answers the question as a user message, greedy
+        messages = [{"role": "user", "content": _gen_context(sample["doc"])}]
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": GEN_TOKENS,
+                                                    "temperature": 0, "stop": ["\n"]})
+        assert r.status_code == 200, r.text
+        assert sample["resps"][0][0] == r.json()["choices"][0]["message"]["content"], messages
 
 
 # ----- LangChain ---------------------------------------------------------------------------------
@@ -342,10 +365,61 @@ WEATHER = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def chat(base_url):
+def sent() -> list[dict]:
+    """What the LangChain client posted and, unless streamed, what the server answered, as
+    {"body", "answer"}, the latest last."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def chat(base_url, sent):
     langchain_openai = import_or_require("langchain_openai", "langchain-openai (the test extra)")
-    return langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", temperature=0,
-                                       max_tokens=96, max_retries=0)
+
+    def request(r: httpx.Request) -> None:
+        sent.append({"body": json.loads(r.read()), "answer": None})
+
+    def response(r: httpx.Response) -> None:
+        if not sent[-1]["body"].get("stream"):
+            sent[-1]["answer"] = json.loads(r.read())
+
+    recording = httpx.Client(timeout=120, event_hooks={"request": [request], "response": [response]})
+    yield langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", temperature=0,
+                                      max_tokens=96, max_retries=0, http_client=recording)
+    recording.close()
+
+
+def _served(http, exchange: dict) -> tuple[dict, dict]:
+    """The server's answer to a body a client sent: the one it received, or for a stream, the
+    body posted again unstreamed (greedy, so the same answer). (its choice, its usage)"""
+    body, answer = exchange["body"], exchange["answer"]
+    if answer is None:
+        r = http.post("/v1/chat/completions", json={k: v for k, v in body.items()
+                                                    if k not in ("stream", "stream_options")})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+    choice, usage = answer["choices"][0], answer["usage"]
+    # usage agrees with the answer: a "length" finish used the whole budget, any other fewer
+    budget = body.get("max_completion_tokens") or body["max_tokens"]
+    assert usage["completion_tokens"] == budget if choice["finish_reason"] == "length" else \
+        0 < usage["completion_tokens"] <= budget
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    return choice, usage
+
+
+def _assert_as_served(message, http, exchange: dict) -> dict:
+    """LangChain's message says what the server answered: the same text, the same tool calls
+    (names and parsed arguments), finish reason and token counts. Returns the choice."""
+    choice, usage = _served(http, exchange)
+    assert message.content == (choice["message"]["content"] or "")
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"].get("tool_calls") or []]
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == calls
+    if "finish_reason" in message.response_metadata:  # a streamed message carries it too
+        assert message.response_metadata["finish_reason"] == choice["finish_reason"]
+    if message.usage_metadata:
+        assert (message.usage_metadata["input_tokens"], message.usage_metadata["output_tokens"]) == (
+            usage["prompt_tokens"], usage["completion_tokens"])
+    return choice
 
 
 @pytest.fixture(scope="module")
@@ -377,62 +451,74 @@ def _check_tool_calls(message, tool_names: set[str]) -> None:
             assert set(call["args"]) == {"a", "b"} and all(type(v) is int for v in call["args"].values())
 
 
-def test_langchain_structured_output_json_schema(chat):
+def test_langchain_structured_output_json_schema(chat, http, sent):
     """The default method: response_format json_schema with strict: true."""
     result = chat.with_structured_output(CityAnswer, include_raw=True).invoke(QUESTION)
-    assert result["parsing_error"] is None and isinstance(result["parsed"], CityAnswer)
+    assert result["parsing_error"] is None
     raw = result["raw"]
+    assert sent[-1]["body"]["response_format"]["json_schema"]["strict"] is True
+    _assert_as_served(raw, http, sent[-1])
     assert raw.response_metadata["finish_reason"] == "stop"
-    assert json.loads(raw.content) == result["parsed"].model_dump()
+    assert result["parsed"] == CityAnswer.model_validate_json(raw.content)
     assert raw.additional_kwargs.get("refusal") is None
 
 
-def test_langchain_structured_output_json_schema_streamed(chat):
+def test_langchain_structured_output_json_schema_streamed(chat, http, sent):
     chunks = list(chat.with_structured_output(CityAnswer).stream(QUESTION))
-    assert chunks and isinstance(chunks[-1], CityAnswer)
+    assert sent[-1]["body"]["stream"] is True
+    choice, _ = _served(http, sent[-1])
+    assert chunks[-1] == CityAnswer.model_validate_json(choice["message"]["content"])
 
 
-def test_langchain_structured_output_function_calling(chat):
+def test_langchain_structured_output_function_calling(chat, http, sent):
     """A forced named tool (tool_choice {"type": "function", ...}) with parallel_tool_calls false."""
     result = chat.with_structured_output(CityAnswer, method="function_calling", include_raw=True).invoke(QUESTION)
-    assert result["parsing_error"] is None and isinstance(result["parsed"], CityAnswer)
+    assert result["parsing_error"] is None
     raw = result["raw"]
+    _assert_as_served(raw, http, sent[-1])
     assert len(raw.tool_calls) == 1 and raw.tool_calls[0]["name"] == "CityAnswer"
+    assert result["parsed"] == CityAnswer(**raw.tool_calls[0]["args"])
     assert isinstance(raw.tool_calls[0]["id"], str) and raw.tool_calls[0]["id"]
     # OpenAI answers "stop" for a named tool_choice; vLLM "stop" or "tool_calls"
     assert raw.response_metadata["finish_reason"] in ("stop", "tool_calls")
 
 
-def test_langchain_structured_output_json_mode(chat):
+def test_langchain_structured_output_json_mode(chat, http, sent):
     """response_format json_object: any JSON object (a schema given as a dict comes back as a dict)."""
     schema = {"title": "CityAnswer", "type": "object", "properties": {"city": {"type": "string"}}}
     result = chat.with_structured_output(schema, method="json_mode").invoke(
         QUESTION + " Answer in JSON with a key 'city'.")
-    assert isinstance(result, dict)
+    assert sent[-1]["body"]["response_format"] == {"type": "json_object"}
+    choice, _ = _served(http, sent[-1])
+    assert result == json.loads(choice["message"]["content"]) and isinstance(result, dict)
 
 
-def test_langchain_tools_required(chat, tools):
+def test_langchain_tools_required(chat, tools, http, sent):
     """LangChain's tool_choice="any" is sent as "required"."""
     message = chat.bind_tools(tools, tool_choice="any").invoke(WEATHER)
+    _assert_as_served(message, http, sent[-1])
     _check_tool_calls(message, {"get_weather", "add"})
     assert message.response_metadata["finish_reason"] == "tool_calls"
 
 
-def test_langchain_tools_named(chat, tools):
+def test_langchain_tools_named(chat, tools, http, sent):
     message = chat.bind_tools(tools, tool_choice="add").invoke("What is 2 plus 3?")
+    _assert_as_served(message, http, sent[-1])
     _check_tool_calls(message, {"add"})
     assert len(message.tool_calls) == 1
 
 
-def test_langchain_tools_none(chat, tools):
+def test_langchain_tools_none(chat, tools, http, sent):
     message = chat.bind_tools(tools, tool_choice="none").invoke(WEATHER)
-    assert not message.tool_calls and isinstance(message.content, str) and message.content
+    _assert_as_served(message, http, sent[-1])
+    assert not message.tool_calls and message.content
     assert message.response_metadata["finish_reason"] in ("stop", "length")
 
 
-def test_langchain_tools_auto(chat, tools):
+def test_langchain_tools_auto(chat, tools, http, sent):
     """No tool_choice (auto): either text or well-formed calls, with the matching finish_reason."""
     message = chat.bind_tools(tools).invoke(WEATHER)
+    _assert_as_served(message, http, sent[-1])
     if message.tool_calls:
         _check_tool_calls(message, {"get_weather", "add"})
         assert message.response_metadata["finish_reason"] == "tool_calls"
@@ -441,35 +527,43 @@ def test_langchain_tools_auto(chat, tools):
         assert message.response_metadata["finish_reason"] in ("stop", "length")
 
 
-def test_langchain_tools_not_parallel(chat, tools):
+def test_langchain_tools_not_parallel(chat, tools, http, sent):
     message = chat.bind_tools(tools, tool_choice="any", parallel_tool_calls=False).invoke(WEATHER)
+    _assert_as_served(message, http, sent[-1])
     _check_tool_calls(message, {"get_weather", "add"})
     assert len(message.tool_calls) == 1
 
 
-def test_langchain_tools_streamed(chat, tools):
+def test_langchain_tools_streamed(chat, tools, http, sent):
     """delta.tool_calls: id and name once per call (LangChain concatenates names), arguments in pieces."""
     message = None
     chunks = 0
     for chunk in chat.bind_tools(tools, tool_choice="get_weather").stream(WEATHER):
         message = chunk if message is None else message + chunk
         chunks += 1
-    assert chunks > 1
+    assert chunks > 1 and sent[-1]["body"]["stream"] is True
+    _assert_as_served(message, http, sent[-1])
     assert all(c.get("index") is not None for c in message.tool_call_chunks)
     _check_tool_calls(message, {"get_weather"})
     assert [c["name"] for c in message.tool_calls] == ["get_weather"]
 
 
-def test_langchain_tool_call_history(chat, tools):
+def test_langchain_tool_call_history(chat, tools, http, sent):
     """A second turn carrying the assistant's tool_calls (content null) and the tool's answer."""
     from langchain_core.messages import HumanMessage, ToolMessage
 
     bound = chat.bind_tools(tools, tool_choice="get_weather")
     first = bound.invoke(WEATHER)
+    _assert_as_served(first, http, sent[-1])
     _check_tool_calls(first, {"get_weather"})
     history = [HumanMessage(WEATHER), first,
                *[ToolMessage(content="sunny, 24 C", tool_call_id=c["id"]) for c in first.tool_calls]]
     second = chat.bind_tools(tools).invoke(history)
+    body = sent[-1]["body"]
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant"] + ["tool"] * len(first.tool_calls)
+    assert body["messages"][1]["tool_calls"][0]["id"] == first.tool_calls[0]["id"]
+    assert body["messages"][2]["tool_call_id"] == first.tool_calls[0]["id"]
+    _assert_as_served(second, http, sent[-1])
     assert second.content or second.tool_calls
 
 
@@ -514,11 +608,16 @@ def test_unknown_fields_are_rejected_by_name(http, path, body):
 
 
 def test_routinely_sent_fields_are_ignored(http):
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
-                                                "messages": [{"role": "user", "content": "Hi"}], **IGNORED_FIELDS})
-    assert r.status_code == 200, r.text
-    r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 2, "prompt": "Hi", "user": "someone"})
-    assert r.status_code == 200, r.text
+    """Ignored: the answer is the one to the same body without them."""
+    for path, body, extra in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, IGNORED_FIELDS),
+        ("/v1/completions", {"prompt": "Hi"}, {"user": "someone"}),
+    ]:
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0, **body}
+        plain, with_extra = http.post(path, json=body), http.post(path, json={**body, **extra})
+        assert plain.status_code == with_extra.status_code == 200, with_extra.text
+        assert with_extra.json()["choices"] == plain.json()["choices"]
+        assert with_extra.json()["usage"] == plain.json()["usage"]
 
 
 def test_client_requests_file_covers_every_client():

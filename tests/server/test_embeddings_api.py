@@ -112,20 +112,28 @@ def test_a_full_queue_answers_429_and_too_many_inputs_400(embed_url, real_embedd
 
     too_many = httpx.post(f"{embed_url}/v1/embeddings", json={"input": ["x"] * 65}, timeout=30)
     assert too_many.status_code == 400 and "split the request" in too_many.json()["error"]["message"]
-    gate, encode = threading.Event(), real_embedder.encode
+    gate, running, encode = threading.Event(), threading.Event(), real_embedder.encode
 
     def held(batch):  # the model is busy until released: what arrives meanwhile queues
+        running.set()
         gate.wait(30)
         return encode(batch)
 
     monkeypatch.setattr(real_embedder, "encode", held)
 
+    async def queue_depth(http, depth: int) -> None:
+        for _ in range(600):
+            if metric_values((await http.get("/metrics")).text)["brisk:embedding_queue_depth"] == depth:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the embedding queue never held {depth} inputs")
+
     async def run():
         async with httpx.AsyncClient(base_url=embed_url, timeout=60) as http:
             busy = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": "x"}))
-            await asyncio.sleep(0.2)  # its batch is running (held)
+            assert await asyncio.get_running_loop().run_in_executor(None, running.wait, 30)  # its batch is held
             full = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": ["y"] * 64}))
-            await asyncio.sleep(0.2)  # 64 inputs wait: the queue is full
+            await queue_depth(http, 64)  # 64 inputs wait: the queue is full
             refused = await http.post("/v1/embeddings", json={"input": "z"})
             gate.set()
             return refused, await busy, await full

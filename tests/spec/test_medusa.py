@@ -231,8 +231,8 @@ def test_medusa_decoding_gives_the_tokens_of_plain_decoding(tiny_model_dir, tmp_
     plain = LLM(tiny_model_dir, **options)
     medusa = LLM(tiny_model_dir, **options, speculative_config={
         "model": folder, "num_speculative_tokens": 6, "disable_by_batch_size": 64})
-    assert medusa.engine.speculator.config.method == "medusa"
-    assert len(medusa.engine.speculator.drafter.tree) == 6
+    assert medusa.engine.step_hook.config.method == "medusa"
+    assert len(medusa.engine.step_hook.drafter.tree) == 6
     for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True)):
         expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from brisk.engine.request import Request
 from brisk.sampling_params import SamplingParams
 from brisk.spec.ngram import NgramDrafter
-from brisk.engine.runner import RunnerOutput
 from brisk.spec.verify import accepted_path, branch, tree_depths
 
 
@@ -72,6 +71,6 @@ def test_a_tree_is_walked_down_the_branch_the_samples_take():
 
 
 def _propose(drafter: NgramDrafter, requests: list, num_tokens: list[int]) -> list[list[int]]:
-    drafts = drafter.propose(requests, num_tokens, RunnerOutput())
+    drafts = drafter.propose(requests, num_tokens, {})
     assert all(d.parents is None for d in drafts)
     return [d.token_ids for d in drafts]

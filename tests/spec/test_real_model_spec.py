@@ -17,6 +17,7 @@ from brisk.spec.medusa_drafter import MedusaDrafter
 from brisk.training.medusa import MedusaTrainConfig, train_medusa
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
+from brisk.engine.step_hook import NoStepHook
 from tests.conftest import assert_no_leaks
 
 pytestmark = pytest.mark.real_model
@@ -63,11 +64,10 @@ def speculate(real_llm, real_model_path, request):
         else:
             config = EngineConfig(model=real_model_path, dtype="float32", speculative_config=spec)
             drafter = DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, engine.kv.num_blocks)
-        engine.speculator = Speculator(spec, drafter)
+        engine.step_hook = Speculator(spec, drafter)
 
     yield on
-    engine.speculator = None
-    engine.runner.keep_hidden_states = False
+    engine.step_hook = NoStepHook()
     assert_no_leaks(engine)
 
 

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.config import EngineConfig, SpeculativeConfig
+from brisk.assembly import build_engine
+from brisk.config import ConfigError, EngineConfig, SpeculativeConfig
+from brisk.engine.engine import LLMEngine
 from brisk.engine.request import Request
 from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
 from brisk.spec.verify import Draft
-from brisk.engine.runner import RunnerOutput
 from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint, load_hf_reference
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [30, 31, 32], list(range(10, 47)), [9, 9, 9, 9], [40, 41, 40, 41, 40],
@@ -38,10 +39,12 @@ class ScriptedDrafter:
     """Proposes a known continuation of each prompt, wrong at every `wrong_every`-th position, so
     verify passes accept a few drafts and then reject one."""
 
+    reads_hidden_states = False
+
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int = 3):
         self.continuations, self.wrong_every = continuations, wrong_every
 
-    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
+    def propose(self, requests: list[Request], num_tokens: list[int], hidden: dict) -> list[Draft]:
         drafts = []
         for request, k in zip(requests, num_tokens):
             truth = self.continuations[tuple(request.prompt_token_ids)]
@@ -66,9 +69,9 @@ class TreeDrafter(ScriptedDrafter):
              └ t0 ─ t1 ─ t2
     """
 
-    def propose(self, requests: list[Request], num_tokens: list[int], step: RunnerOutput) -> list[Draft]:
+    def propose(self, requests: list[Request], num_tokens: list[int], hidden: dict) -> list[Draft]:
         drafts = []
-        for chain, k in zip(super().propose(requests, [3] * len(requests), step), num_tokens):
+        for chain, k in zip(super().propose(requests, [3] * len(requests), hidden), num_tokens):
             right = chain.token_ids
             wrong = [(right[0] + 2) % TINY_VOCAB, (right[0] + 3) % TINY_VOCAB] if right else []
             nodes = [(-1, 1, t) for t in wrong[:1]] + [(0, 2, t) for t in wrong[1:]] + [
@@ -81,10 +84,12 @@ class TreeDrafter(ScriptedDrafter):
 class ConstantDrafter:
     """Always proposes the same tokens: mostly rejected, now and then accepted."""
 
+    reads_hidden_states = False
+
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
-    def propose(self, requests, num_tokens, step):
+    def propose(self, requests, num_tokens, hidden):
         return [Draft(self.tokens[:k]) for k in num_tokens]
 
     def forget(self, live):
@@ -98,7 +103,7 @@ def _llm(path: str, **options) -> LLM:
 def _speculate(llm: LLM, drafter=None, k: int = 4, **config) -> LLM:
     """Turns speculation on with `drafter` (default: prompt lookup as configured)."""
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, **config)
-    llm.engine.speculator = Speculator(spec, drafter or NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    llm.engine.step_hook = Speculator(spec, drafter or NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
     return llm
 
 
@@ -170,7 +175,7 @@ def test_greedy_output_equals_plain_decoding_with_chunked_prefill_and_preemption
     assert _tokens(llm, PROMPTS, GREEDY) == [greedy_reference[tuple(p)] for p in PROMPTS]
     assert llm.engine.scheduler.stats.num_preemptions > 0
     if drafter == "draft-model":
-        assert llm.engine.speculator.drafter.kv.num_free_blocks == 24  # its shadows left with their requests
+        assert llm.engine.step_hook.drafter.kv.num_free_blocks == 24  # its shadows left with their requests
 
 
 @pytest.mark.parametrize("drafter", ["scripted", "tree", "draft-model"])
@@ -275,7 +280,7 @@ def test_a_draft_model_whose_pool_is_full_drafts_nothing_and_the_output_stays(ti
     assert [o.outputs[0].token_ids for o in outputs] == [greedy_reference[tuple(p)] for p in PROMPTS[2:4]]
     assert outputs[0].metrics.spec_decode is None  # 37 prompt tokens never fit its shadow
     assert_no_leaks(engine)
-    assert engine.speculator.drafter.kv.num_free_blocks == 2
+    assert engine.step_hook.drafter.kv.num_free_blocks == 2
 
 
 def test_aborts_in_the_middle_of_speculation_leak_nothing(tiny_dir):
@@ -285,11 +290,11 @@ def test_aborts_in_the_middle_of_speculation_leak_nothing(tiny_dir):
     ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
     for _ in range(3):
         engine.step()
-    assert any(r.draft_token_ids for r in engine.scheduler.running)
+    assert engine.step_hook.drafter.kv.num_free_blocks < 64  # shadows hold blocks of the running requests
     for rid in ids:
         engine.abort_request(rid)
     assert_no_leaks(engine)
-    assert engine.speculator.drafter.kv.num_free_blocks == 64  # the draft model's shadows went too
+    assert engine.step_hook.drafter.kv.num_free_blocks == 64  # the draft model's shadows went too
 
 
 def test_rejected_drafts_give_their_blocks_back(tiny_dir):
@@ -301,3 +306,37 @@ def test_rejected_drafts_give_their_blocks_back(tiny_dir):
         for request in engine.scheduler.running:  # a block for each 4 computed tokens, or part of it
             assert len(engine.kv.block_ids(request.request_id)) == -(-request.num_computed_tokens // 4)
     assert_no_leaks(engine)
+
+
+class UnboundedSpeculator(Speculator):
+    """Drafts up to the last token a sequence may generate, past num_speculative_tokens' 16: the
+    length of a draft a client supplies with its request (an edited file, a retrieved passage)."""
+
+    def _budget(self, request: Request) -> int:
+        return request.max_total_tokens - request.num_tokens - 1
+
+
+def test_a_step_verifies_a_draft_of_hundreds_of_tokens(tiny_dir):
+    llm = LLM(tiny_dir, dtype="float32", max_model_len=512)
+    prompt, params = PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)
+    reference = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
+    llm.engine.step_hook = UnboundedSpeculator(spec, ScriptedDrafter({tuple(prompt): reference}, wrong_every=300))
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == reference
+    stats = output.metrics.spec_decode
+    # two verify passes: 318 drafts after the first token (all but the last one the request may
+    # generate), of which the 298 before the wrong one at output position 299 are kept; then the
+    # last 19, all kept
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 318 + 19, 298 + 19)
+    assert len(stats.accepted_per_position) == 298
+    assert_no_leaks(llm.engine)
+
+
+def test_an_engine_without_the_speculation_hook_refuses_a_speculative_config(tiny_dir):
+    """LLMEngine never imports spec/: a speculative_config without the hook that carries it
+    out (brisk.assembly.build_engine plugs it in) is refused, not silently ignored."""
+    with pytest.raises(ConfigError, match="build_engine"):
+        LLMEngine(EngineConfig(model=tiny_dir, speculative_config={"method": "ngram"}))
+    assert isinstance(build_engine(EngineConfig(model=tiny_dir, max_model_len=96, speculative_config={
+        "method": "ngram"})).step_hook, Speculator)

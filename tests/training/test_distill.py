@@ -140,7 +140,7 @@ def test_a_narrower_student_trains_and_drafts_with_the_teachers_greedy_output(te
     assert sum(v[1] for v in losses[-5:]) < 0.9 * sum(v[1] for v in losses[:5])  # the KL term falls
     spec = LLM(teacher_dir, dtype="float32", max_model_len=64, num_kv_blocks=64,
                speculative_config={"model": out, "num_speculative_tokens": 3, "disable_by_batch_size": 8})
-    assert spec.engine.speculator.drafter.runner.model.hparams.hidden_size == 32
+    assert spec.engine.step_hook.drafter.runner.model.hparams.hidden_size == 32
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 9 + i, 12]} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = LLM(teacher_dir, dtype="float32", max_model_len=64, num_kv_blocks=64).generate(prompts, params,

@@ -4,6 +4,7 @@ a stream early aborts its request, and the event loop stays free while the model
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -121,25 +122,31 @@ def test_invalid_requests_fail_before_reaching_the_engine(async_engine):
 
 
 def test_event_loop_keeps_running_while_the_model_steps(real_llm, async_engine):
+    """Every model step holds until the event loop has run a callback the step posted to it: a
+    loop blocked by model steps could never run it, and the step would give up after 10 s."""
+    engine, answered = real_llm.engine, []
+    step = engine.step
+
     async def main():
-        ticks = 0
+        loop = asyncio.get_running_loop()
 
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.005)
-                ticks += 1
+        def held_step():
+            ran = threading.Event()
+            loop.call_soon_threadsafe(ran.set)
+            answered.append(ran.wait(10))
+            return step()
 
-        task = asyncio.create_task(ticker())
-        _, _, outputs, _ = await _collect(async_engine, _prompt(real_llm, "Describe the moon."), "busy",
-                                          SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
-                                                         output_kind=OutputKind.DELTA))
-        task.cancel()
-        return ticks, outputs
+        engine.step = held_step  # only the loop thread calls step, and only while a request runs
+        try:
+            return await _collect(async_engine, _prompt(real_llm, "Describe the moon."), "busy",
+                                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                 output_kind=OutputKind.DELTA))
+        finally:
+            del engine.step
 
-    ticks, outputs = asyncio.run(main())
-    # A loop blocked by model steps would tick about once per output; a free one ticks throughout.
-    assert ticks > 2 * outputs
+    _, tokens, _, last = asyncio.run(main())
+    assert len(tokens) == 8 and last.finished
+    assert len(answered) >= 8 and all(answered), answered
 
 
 def test_closing_a_stream_that_never_started_aborts_its_request(real_llm, async_engine):

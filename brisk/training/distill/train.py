@@ -36,6 +36,7 @@ from brisk.config import ConfigError, knob
 from brisk.training.distill import data as teacher_data
 from brisk.training.distill.student import WIDTH_MULTIPLE, choose_layers, measure_width, with_layers, write_student
 from brisk.llm import LLM
+from brisk.kernels.backend import KernelBackend
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import Checkpoint, load_model, open_checkpoint
 from brisk.model.sequences import forward_sequences
@@ -313,7 +314,7 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
 def _parameters(spec: HParams) -> int:
     """How many weights a model of this shape has (counted on the meta device: no memory)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(spec, max_len=1).parameters())
+        return sum(p.numel() for p in LlamaForCausalLM(spec, max_len=1, kernels=KernelBackend()).parameters())
 
 
 def _data(teacher: Checkpoint, config: DistillConfig, log, progress: bool
