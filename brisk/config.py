@@ -9,7 +9,7 @@ vLLM has the same knob.
 
 This module imports nothing of brisk, so any layer may read it. The values a knob accepts that
 a lower layer defines (KV cache kinds and quantization group sizes: the kernels'; quantization
-methods: brisk/quant's) are spelled out here again, and tests/kernels/test_ground_floor.py checks
+methods: brisk/quant's) are spelled out here again, and tests/kernels/test_backend.py checks
 that the two agree. Defaults that depend on the host (dtype "auto": bf16 only where the CPU
 multiplies it natively) are resolved where the model loads (model/loader.py: resolve_dtype).
 """

@@ -38,10 +38,14 @@ def _module_name(path: Path) -> str:
 
 
 def _brisk_imports(path: Path) -> set[str]:
+    """The brisk modules `path` imports; `from brisk import spec` counts as brisk.spec, and a
+    relative import is refused (brisk spells every import out)."""
     imported = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import ({'.' * node.level}{node.module or ''})"
             imported.add(node.module)
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
     return {m for m in imported if m == "brisk" or m.startswith("brisk.")}

@@ -93,8 +93,9 @@ def main(args) -> None:
     hf_model = load_hf_model(args.model, llm.engine.dtype)
     pad = llm.tokenizer.eos_token_id or 0
     hf_generate(hf_model, [prompts[0][:8]], 2, pad)  # warm-up
-    results.append(run_hf(hf_model, prompts[:args.hf_single_prompts], args.output_len, 1, pad))
-    results.append(run_hf(hf_model, prompts[:args.hf_batch_prompts], args.output_len, args.hf_batch_size, pad))
+    for count, batch_size in ((args.hf_single_prompts, 1), (args.hf_batch_prompts, args.hf_batch_size)):
+        if count:  # 0 leaves the row out
+            results.append(run_hf(hf_model, prompts[:count], args.output_len, batch_size, pad))
     hf_decode = hf_single_stream_decode(hf_model, prompts[0][:32], args.output_len, pad)
 
     base = results[0].tokens_per_second

@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from brisk.model.attention import AttentionMetadata
+from brisk.kernels.attention import AttentionMetadata
 from brisk.model.llama import LlamaForCausalLM
 from brisk.kernels.kv_cache import KVCacheLayer
 

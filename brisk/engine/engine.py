@@ -120,29 +120,29 @@ class LLMEngine:
 
     def add(self, request: EngineRequest) -> str:
         """Queues a request checked at the edge (EngineRequest.checked); returns its id."""
-        request_id, token_ids, params, arrival = (request.request_id, request.prompt_token_ids, request.params,
-                                                  request.arrival_time)
-        cache_salt = request.cache_salt
-        children = []
+        if request.draft and not self.step_hook.verifies_supplied_drafts:
+            raise SamplingError("draft", "needs speculative decoding: start the engine with a speculative_config")
+        params, children = request.params, []
         for i in range(params.n):
             child_params = self._child_params(params, i)
             seed = child_params.seed if child_params.seed is not None else self._seeds.getrandbits(64)
             children.append(Request(
-                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                prompt_token_ids=token_ids,
+                request_id=request.request_id if params.n == 1 else f"{i}_{request.request_id}",
+                prompt_token_ids=request.prompt_token_ids,
                 params=child_params,
                 eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                 max_model_len=self.max_model_len,
-                arrival_time=arrival,
-                cache_salt=cache_salt,
+                arrival_time=request.arrival_time,
+                cache_salt=request.cache_salt,
                 child_index=i,
                 sampling_seed=seed,
                 grammar=self._grammar(params),
+                supplied_draft=request.draft,
             ))
-        self.output_processor.add(request_id, request.prompt, children)
+        self.output_processor.add(request.request_id, request.prompt, children)
         for child in children:
             self.scheduler.add(child)
-        return request_id
+        return request.request_id
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

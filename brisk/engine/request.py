@@ -108,6 +108,7 @@ class Request:
     grammar: Grammar | None = None  # structured outputs: where this sequence is in its grammar
     # Rows the next step verifies after the last token (a step hook's proposal, engine/step_hook.py)
     verify: VerifyPlan | None = None
+    supplied_draft: tuple[int, ...] = ()  # tokens the client expects it to generate (EngineRequest.draft)
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     times: RequestTimes = field(init=False)
 

@@ -47,7 +47,7 @@ from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.engine.step_hook import SlotMove
-from brisk.model.attention import AttentionMetadata, PrefillSpan
+from brisk.kernels.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
@@ -93,7 +93,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.vocab_size = hp.vocab_size
-        # One per layer, in the storage kind of kernels/kv_cache.py; see model/attention.py for the layout.
+        # One per layer, in the storage kind of kernels/kv_cache.py; see kernels/attention.py for the layout.
         # The pool has one block more than the manager hands out: the padding rows of a CUDA graph
         # write there (engine/cuda_graphs.py).
         self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks + 1, hp.num_kv_heads, kv.block_size,

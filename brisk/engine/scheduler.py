@@ -20,8 +20,8 @@ step's only prefill.
 
 Speculative decoding adds no phase either: a running request that carries k rows to verify
 (request.verify, a step hook's proposal) is scheduled for 1 + k tokens, its last token and the
-drafts, priced like any chunk. The step verifies them; update() keeps the
-K/V of the drafts the model accepted and returns the blocks that held only rejected ones. When
+drafts, priced like any chunk. The step verifies them (the step hook keeps the accepted drafts'
+K/V); update() returns the blocks that held only rejected ones. When
 memory is short a request drops its drafts before anyone is preempted.
 
 A step of nothing but plain greedy decodes may run several forward passes (num_scheduler_steps,

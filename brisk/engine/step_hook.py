@@ -58,6 +58,10 @@ class SlotMove:
 
 
 class StepHook(Protocol):
+    # whether proposals include the drafts requests bring (EngineRequest.draft); an engine whose
+    # hook does not refuses such requests rather than drop their drafts
+    verifies_supplied_drafts: bool
+
     def propose(self, running: list[Request]) -> None:
         """Before a step: sets request.verify on the running sequences that should verify rows."""
 
@@ -72,6 +76,8 @@ class StepHook(Protocol):
 
 class NoStepHook:
     """The engine's hook when no technique plugs in: every step is plain decoding."""
+
+    verifies_supplied_drafts = False
 
     def propose(self, running: list[Request]) -> None:
         pass

@@ -393,8 +393,8 @@ def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -
 
 
 def quantize_rows_int8(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [m, k] float32 -> (codes int8 [m, k], scales [m, 1], outlier columns): quant/modules.py's
-    int8_rows in one C call (quant_linear.c)."""
+    """x [m, k] float32 -> (codes int8 [m, k], scales [m, 1], outlier columns): the torch backend's
+    quantize_rows_int8 in one C call (quant_linear.c)."""
     x = x.contiguous()
     m, k = x.shape
     codes = torch.empty(m, k, dtype=torch.int8)

@@ -17,7 +17,7 @@ stored and fold int8's scales into the scores and the softmax weights; the torch
 are their reference and the path off CPU.
 
 Layout, per layer: k [blocks, H_kv, D, B] (keys transposed per block), v [blocks, H_kv, B, D],
-scales [blocks, H_kv, B] for int8 (see model/attention.py for why).
+scales [blocks, H_kv, B] for int8 (see kernels/attention.py for why).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
  * torch's formulation sorts the whole vocabulary for top-k/top-p (72 ms for 32 rows x 49,152
  * on our 2-core machines) and draws one exponential per vocabulary entry (40 ms); this kernel
  * needs one uniform per row and a few linear passes over it. It implements exactly the rule of
- * brisk/sample/sampler.py (whose `_sample_torch` is its reference in the tests):
+ * brisk/sample/sampler.py (kernels/backend.py's torch `KernelBackend.sample_rows` is its reference in
+ * the tests):
  *
  *   w_i  = exp((z_i - max z) / T)                weights, the best token's is 1; -inf/NaN -> 0
  *   min_p:  w_i < min_p            -> 0

@@ -1,7 +1,7 @@
 """Paged attention in Triton: the GPU's counterpart of kernels/attention.h, over the same layout.
 
 Both kernels read K/V straight from the block pool (k [blocks, H_kv, D, B], v [blocks, H_kv, B, D],
-int8 codes with a float32 scale per token and head; model/attention.py), so no step gathers a
+int8 codes with a float32 scale per token and head; kernels/attention.py), so no step gathers a
 sequence's context into a contiguous copy, and every KV cache kind the CPU path has is read as
 stored. Under TRITON_INTERPRET=1 they run on CPU tensors, which is how CI checks them against
 the torch formulation without a GPU.
@@ -188,7 +188,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
 
 def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      scale: float, out: torch.Tensor, ancestor_masks: torch.Tensor | None = None) -> None:
-    """q [n, H_q, D], one query per sequence, over its blocks -> out [n, H_q, D] (model/attention.py's
+    """q [n, H_q, D], one query per sequence, over its blocks -> out [n, H_q, D] (kernels/attention.py's
     decode rows: block_tables [n, max_blocks], context_lens [n], ancestor_masks [n] or None)."""
     n, h_q, d = q.shape
     h_kv = cache.v.shape[1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from brisk.model.attention import AttentionMetadata, PrefillSpan
+from brisk.kernels.attention import AttentionMetadata, PrefillSpan
 from brisk.model.llama import LlamaForCausalLM
 from brisk.kernels.kv_cache import KVCacheLayer
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from brisk.config import SELF_DRAFTS, ConfigError, EngineConfig
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
-import torch
-
 from brisk.engine.runner import ModelRunner
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_dtype

@@ -10,6 +10,9 @@ num_tokens[i], given the final hidden state each request's newest token was samp
 the drafter reads them; `forget(live)` drops state of sequences no longer running) and the
 policy around it:
 
+- a sequence that brought a draft of its own (EngineRequest.draft: an edited file, a retrieved
+  passage) verifies it, hundreds of tokens at a time, for as long as its output follows it;
+  the drafter drafts for the others, and for it once the output has left its draft;
 - a sequence drafts no further than the last token it may generate;
 - sequences under a grammar do not draft (their drafts would have to walk the grammar too);
 - past `disable_by_batch_size` running sequences nobody drafts: the batch alone then keeps the
@@ -62,6 +65,8 @@ class Drafter(Protocol):
 
 
 class Speculator:
+    verifies_supplied_drafts = True
+
     def __init__(self, config: SpeculativeConfig, drafter: Drafter):
         self.config = config
         self.drafter = drafter
@@ -96,8 +101,12 @@ class Speculator:
                     and r.num_tokens - r.num_computed_tokens == 1]
         if not decoding or len(running) > self.disable_by_batch_size:
             return
-        budgets = [self._budget(r) for r in decoding]
-        for request, draft in zip(decoding, self.drafter.propose(decoding, budgets, hidden)):
+        drafts = {r.request_id: Draft(tokens) for r in decoding if (tokens := _supplied(r))}
+        drafting = [r for r in decoding if r.request_id not in drafts]
+        budgets = [self._budget(r) for r in drafting]
+        drafts.update((r.request_id, d) for r, d in zip(drafting, self.drafter.propose(drafting, budgets, hidden)))
+        for request in decoding:
+            draft = drafts[request.request_id]
             if draft.token_ids:
                 self._drafts[request.request_id] = draft
                 request.verify = verify_plan(draft)
@@ -122,7 +131,7 @@ class Speculator:
                     out.logprobs[rid] = [out.logprobs[rid][row] for row in used]
                 last = chunk.request.num_computed_tokens  # the slot of the sequence's last token
                 moves.extend(SlotMove(rid, last + row, last + depth) for depth, row in enumerate(used) if row != depth)
-            if self.drafter.reads_hidden_states:
+            if self.drafter.reads_hidden_states and rid in out.first_row:  # not after a multi-pass step
                 self._hidden[rid] = out.hidden[out.first_row[rid] + used[-1]]
         return moves
 
@@ -130,3 +139,13 @@ class Speculator:
         if request.grammar is not None:
             return 0
         return max(0, min(self.config.num_speculative_tokens, request.max_total_tokens - request.num_tokens - 1))
+
+
+def _supplied(request: Request) -> list[int]:
+    """The rest of the request's own draft while its output has followed it, up to the last
+    token it may generate (no num_speculative_tokens cap: nothing was spent drafting it)."""
+    draft, start = request.supplied_draft, request.num_prompt_tokens
+    generated = request.num_output_tokens
+    if request.grammar is not None or generated >= len(draft) or tuple(request.token_ids[start:]) != draft[:generated]:
+        return []
+    return list(draft[generated:generated + request.max_total_tokens - request.num_tokens - 1])

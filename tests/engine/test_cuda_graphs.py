@@ -10,7 +10,7 @@ import torch
 
 from brisk import LLM, SamplingParams
 from brisk.engine.cuda_graphs import EagerCapture, capture_sizes
-from brisk.model.attention import AttentionMetadata, PrefillSpan
+from brisk.kernels.attention import AttentionMetadata, PrefillSpan
 from tests.conftest import assert_no_leaks, build_tiny_checkpoint
 
 

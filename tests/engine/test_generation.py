@@ -188,9 +188,9 @@ def test_a_request_checked_at_the_edge_enters_the_core_as_it_is(real_llm):
     ids = real_llm.tokenizer.encode("The capital of France is")
     request = EngineRequest.checked("edge", ids, SamplingParams(temperature=0.0, max_tokens=5), engine.hparams.vocab_size,
                                     engine.max_model_len, prompt="The capital of France is", tenant="acme",
-                                    priority=1, draft=[5, 6])
+                                    priority=1)
     assert (request.tenant, request.priority, request.draft, request.prompt) == (
-        "acme", 1, (5, 6), "The capital of France is")
+        "acme", 1, (), "The capital of France is")
     assert engine.add(request) == "edge"
     outputs = []
     while engine.has_unfinished_requests():

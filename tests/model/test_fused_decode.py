@@ -80,7 +80,12 @@ def test_fused_decode_step_matches_layer_by_layer(tiny_model_dir, dtype, kv_cach
 def test_casting_the_model_drops_the_fused_pointer_tables(tiny_model_dir):
     """Module.to swaps every parameter's storage; tables pointing into the old one must go."""
     llm = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=256)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
-    assert llm.engine.model._decode_layers is not None
+    prompt, params = [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8, temperature=0.0)
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    tables = llm.engine.model._decode_layers
+    assert tables is not None
     llm.engine.model.float()
     assert llm.engine.model._decode_layers is None
+    # the next step builds them again and decodes the same tokens
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+    assert llm.engine.model._decode_layers not in (None, tables)

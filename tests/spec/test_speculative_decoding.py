@@ -12,8 +12,9 @@ import torch
 from brisk import LLM, SamplingParams
 from brisk.assembly import build_engine
 from brisk.config import ConfigError, EngineConfig, SpeculativeConfig
+from brisk.sampling_params import SamplingError
 from brisk.engine.engine import LLMEngine
-from brisk.engine.request import Request
+from brisk.engine.request import EngineRequest, Request
 from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
@@ -308,29 +309,34 @@ def test_rejected_drafts_give_their_blocks_back(tiny_dir):
     assert_no_leaks(engine)
 
 
-class UnboundedSpeculator(Speculator):
-    """Drafts up to the last token a sequence may generate, past num_speculative_tokens' 16: the
-    length of a draft a client supplies with its request (an edited file, a retrieved passage)."""
-
-    def _budget(self, request: Request) -> int:
-        return request.max_total_tokens - request.num_tokens - 1
-
-
-def test_a_step_verifies_a_draft_of_hundreds_of_tokens(tiny_dir):
-    llm = LLM(tiny_dir, dtype="float32", max_model_len=512)
+def test_a_draft_the_request_brings_is_verified_hundreds_of_tokens_at_a_time(tiny_dir):
+    """EngineRequest.draft: the tokens the client expects (an edited file), verified while the
+    output follows them, past num_speculative_tokens' 16, then the drafter takes over."""
     prompt, params = PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)
-    reference = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
-    llm.engine.step_hook = UnboundedSpeculator(spec, ScriptedDrafter({tuple(prompt): reference}, wrong_every=300))
-    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    reference = LLM(tiny_dir, dtype="float32", max_model_len=512).generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    draft = list(reference)
+    draft[299] = (draft[299] + 1) % TINY_VOCAB  # the client's guess goes wrong at output position 299
+    engine = LLM(tiny_dir, dtype="float32", max_model_len=512, speculative_config={"method": "ngram"}).engine
+    engine.add(EngineRequest.checked("edit", prompt, params, TINY_VOCAB, 512, draft=draft))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    [output] = outputs
     assert output.outputs[0].token_ids == reference
     stats = output.metrics.spec_decode
-    # two verify passes: 318 drafts after the first token (all but the last one the request may
-    # generate), of which the 298 before the wrong one at output position 299 are kept; then the
-    # last 19, all kept
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 318 + 19, 298 + 19)
-    assert len(stats.accepted_per_position) == 298
-    assert_no_leaks(llm.engine)
+    # one pass verifies outputs 1-318 (all but the last the request may generate) and keeps the
+    # 298 before the wrong guess; prompt lookup, 4 tokens at most, drafts the rest
+    assert len(stats.accepted_per_position) == 298 and stats.num_accepted_tokens >= 298
+    assert stats.num_draft_tokens >= 318
+    assert_no_leaks(engine)
+
+
+def test_an_engine_without_speculation_refuses_a_draft_rather_than_dropping_it(tiny_dir):
+    engine = LLM(tiny_dir, dtype="float32", max_model_len=96).engine
+    with pytest.raises(SamplingError, match="draft: needs speculative decoding"):
+        engine.add(EngineRequest.checked("edit", [5, 6], SamplingParams(max_tokens=4), TINY_VOCAB, 96, draft=[7, 8]))
+    assert_no_leaks(engine)
 
 
 def test_an_engine_without_the_speculation_hook_refuses_a_speculative_config(tiny_dir):
