@@ -9,6 +9,7 @@ options with the same names as `LLM(...)`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -358,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # brisk's own lines (which model loaded, and how its weights run) on stderr; other libraries
+    # keep their default of warnings and worse.
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("brisk").setLevel(logging.INFO)
     try:
         args = parse_args(build_parser(), argv)
         args.func(args)

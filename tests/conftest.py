@@ -101,8 +101,16 @@ def real_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def real_llm(real_model_path) -> LLM:
-    """The default model in fp32, loaded once; tests must leave no request behind."""
-    return LLM(real_model_path, dtype="float32", kv_cache_memory_gib=0.5, max_model_len=2048)
+    """The default model in fp32, its GGUF blocks dequantized (the transformers reference's
+    numbers), loaded once; tests must leave no request behind."""
+    return LLM(real_model_path, dtype="float32", quantization="none", kv_cache_memory_gib=0.5, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def default_llm(real_model_path) -> LLM:
+    """The default model with the default options on the CPU (quantization auto: the file's
+    blocks with int8 activations), a small KV cache, loaded once; tests must leave no request behind."""
+    return LLM(real_model_path, device="cpu", kv_cache_memory_gib=0.25, max_model_len=2048)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 import pytest
 import torch
@@ -57,20 +57,23 @@ def require_c_compiler() -> None:
 def brisk_logits(engine, token_ids: list[int], chunk_sizes: list[int] | None = None) -> torch.Tensor:
     """Logits at every position, computed in the given chunks through block tables and the KV
     cache (a chunk of 1 takes the decode path, a later chunk the masked prefill path)."""
-    chunk_sizes = chunk_sizes or [len(token_ids)]
+    return torch.cat(list(brisk_logit_chunks(engine, token_ids, chunk_sizes or [len(token_ids)])))
+
+
+@torch.inference_mode()
+def brisk_logit_chunks(engine, token_ids: list[int], chunk_sizes: list[int]) -> Iterator[torch.Tensor]:
+    """brisk_logits one chunk at a time, for texts whose logits would not fit in memory at once."""
     assert sum(chunk_sizes) == len(token_ids)
     request = Request("logits-probe", token_ids, SamplingParams(max_tokens=1))
     assert engine.kv.allocate(request, len(token_ids))
-    rows = []
     try:
         for n in chunk_sizes:
             batch = engine.runner._prepare(SchedulerOutput([ScheduledChunk(request, n)]))
             hidden = engine.model(batch.input_ids, batch.positions, engine.runner.kv_caches, batch.attn)
-            rows.append(engine.model.compute_logits(hidden))
+            yield engine.model.compute_logits(hidden)
             request.num_computed_tokens += n
     finally:
         engine.kv.free(request)
-    return torch.cat(rows)
 
 
 @torch.inference_mode()

@@ -19,16 +19,20 @@ def _brisk(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 def test_generate_streams_the_same_text_as_the_offline_api(real_llm):
     result = _brisk("generate", "The capital of France is", "--raw", "--temperature", "0", "--max-tokens", "12",
-                    "--max-model-len", "512", "--kv-cache-memory-gib", "0.1", "--dtype", "float32")
+                    "--max-model-len", "512", "--kv-cache-memory-gib", "0.1", "--dtype", "float32", "--quantization",
+                    "none")
     assert result.returncode == 0, result.stderr
     expected = real_llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=12),
                                  use_tqdm=False)[0].outputs[0].text
     assert result.stdout == expected + "\n"
+    assert "INFO brisk.engine: loaded SmolLM2-135M-Instruct.Q4_1.gguf (llama): weights float32 (dequantized): " \
+           "the file's Q4_1+Q8_0 dequantized to float32; dtype float32; kernels " in result.stderr  # said at start
 
 
 def test_chat_keeps_the_conversation(real_llm):
     result = _brisk("chat", "--temperature", "0", "--max-tokens", "16", "--max-model-len", "512",
-                    "--kv-cache-memory-gib", "0.1", "--dtype", "float32", stdin="What is 2+2?\nAnd times 3?\n\n")
+                    "--kv-cache-memory-gib", "0.1", "--dtype", "float32", "--quantization", "none",
+                    stdin="What is 2+2?\nAnd times 3?\n\n")
     assert result.returncode == 0, result.stderr
     replies = [line.strip() for line in result.stdout.split("> ") if line.strip()]
     greedy = SamplingParams(temperature=0.0, max_tokens=16)

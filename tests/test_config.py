@@ -46,6 +46,26 @@ def test_a_bad_speculative_config_names_what_is_wrong(value, names):
         EngineConfig(speculative_config=value)
 
 
+def test_quantization_defaults_to_auto_and_none_names_the_float_weights():
+    assert EngineConfig().quantization == "auto"
+    assert EngineConfig(quantization=None).quantization == "none"  # what the float weights were called before
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, EngineConfig, "engine")
+    for value in ("none", "auto", "gguf"):  # a flag that rebuilds the config, "none" included
+        config = EngineConfig(quantization=value)
+        assert config_from_args(EngineConfig, parser.parse_args(config_flags(config))) == config
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(quantization="int3"), "quantization must be one of auto, none, int8"),
+    (dict(quantization="none", int8_activations=True), "int8_activations needs .* not none"),
+    (dict(quantization="nf4", int8_activations=True), "int8_activations needs .* not nf4"),
+])
+def test_a_bad_quantization_names_the_field(kwargs, names):
+    with pytest.raises(ConfigError, match=names):
+        EngineConfig(**kwargs)
+
+
 @pytest.mark.parametrize("kwargs, names", [
     (dict(replicas=0), "replicas must be >= 1"),
     (dict(min_replicas=1), "min_replicas and max_replicas go together"),

@@ -7,8 +7,9 @@ otherwise look faster per request and slower per token, and the ratio would comp
 work). In order:
 
 - servers, each loaded by the same load generator (brisk/bench/load.py) with the same
-  arrivals: `brisk serve` with the engine flags given (and, for a GGUF model, again running the
-  file's own 4/8-bit blocks), then llama.cpp's own C++ server, `llama-server`, on the same GGUF
+  arrivals: `brisk serve` with the engine flags given (and, for a GGUF model those flags run in
+  float weights, a second time on the file's own 4/8-bit blocks, which quantization auto runs by
+  default on CPU), then llama.cpp's own C++ server, `llama-server`, on the same GGUF
   with as many parallel slots as requests in flight, a context that gives each slot the
   longest request, and threads and batch sizes set explicitly (continuous batching, as its
   users run it);
@@ -45,7 +46,7 @@ from brisk.bench.serve import load_settings, measure, workload
 from brisk.bench.throughput import run_hf, single_stream_decode
 from brisk.config import EngineConfig, ServerConfig
 from brisk.llm import LLM
-from brisk.model.loader import default_model_path, open_checkpoint
+from brisk.model.loader import default_model_path, open_checkpoint, resolve_dtype, resolve_weight_mode
 from brisk.sampling_params import SamplingParams
 
 # Where `make llama-cpp` puts the binaries, from the repository's root.
@@ -179,18 +180,20 @@ def main(args) -> None:
     settings = load_settings(args, args.request_rate)
     model_path = config.model or default_model_path()
     threads = config.num_threads or os.cpu_count()
-    tokenizer = open_checkpoint(model_path).tokenizer
-    prompts = [tokenizer.encode_chat(r.messages) for r in requests]
+    checkpoint = open_checkpoint(model_path)
+    dtype = resolve_dtype(config.dtype, config.torch_device)
+    mode = resolve_weight_mode(config, checkpoint, config.torch_device, dtype)  # as the served engine resolves it
+    prompts = [checkpoint.tokenizer.encode_chat(r.messages) for r in requests]
     asked = sum(r.max_tokens for r in requests)
     print(machine())
-    print(f"model: {os.path.basename(model_path)}; brisk engine: dtype {config.dtype}, quantization "
-          f"{config.quantization or 'none'}, {threads} threads")
+    print(f"model: {os.path.basename(model_path)}; brisk engine: dtype {config.dtype}, weights {mode.name} "
+          f"(quantization {config.quantization}), {threads} threads")
     print(f"workload: {len(requests)} {args.dataset} requests, {args.output_len} output tokens each (EOS ignored), "
           f"greedy; servers loaded {'all at once' if args.request_rate == float('inf') else f'at {args.request_rate:g} req/s'}"
           + (f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""))
     rows = []
     served = [("brisk serve", config)]
-    if model_path.endswith(".gguf") and config.quantization != "gguf":  # llama.cpp's weights, run by brisk
+    if checkpoint.format == "gguf" and mode.quantization != "gguf":  # llama.cpp's weights, run by brisk
         served.append(("brisk serve, the GGUF's own blocks (--quantization gguf)",
                        replace(config, quantization="gguf")))
     for how, engine in served:
@@ -224,7 +227,7 @@ def main(args) -> None:
         single.append(("llama.cpp", f"llama-bench tg{args.single_stream_tokens}, mean of 5 (sd {spread:.1f})", mean))
     if not args.no_transformers:
         rows += transformers_rows(config, prompts, args.output_len, min(args.hf_single_prompts, len(prompts)),
-                                  args.hf_batch_size, tokenizer.eos_token_id or 0)
+                                  args.hf_batch_size, checkpoint.tokenizer.eos_token_id or 0)
     print_tables(rows, single)
 
 

@@ -70,7 +70,7 @@ from brisk.kernels import cpu as cpu_kernels
 from brisk.spec.speculator import drafting_limit
 
 # The plain configuration's values of every knob a technique touches.
-PLAIN = {"dtype": "float32", "quantization": None, "int8_activations": False, "kv_cache_dtype": "auto",
+PLAIN = {"dtype": "float32", "quantization": "none", "int8_activations": False, "kv_cache_dtype": "auto",
          "enable_prefix_caching": False, "speculative_config": None}
 # The knobs that change the logits, and so the perplexity.
 QUALITY_KNOBS = ("dtype", "quantization", "quantization_group_size", "int8_activations", "kv_cache_dtype")

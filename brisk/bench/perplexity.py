@@ -88,7 +88,7 @@ def main(args) -> None:
     llm = LLM.from_config(engine_config_from_args(args))
     token_ids = llm.tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)[:args.max_tokens]
     result = perplexity(llm, token_ids, args.context_len, args.stride)
-    print(f"model: {llm.engine.checkpoint.path} ({llm.engine.dtype})")
+    print(f"model: {llm.engine.checkpoint.path} (weights {llm.engine.weight_mode.name}, {llm.engine.dtype})")
     print(f"text: {path.name}, first {len(token_ids)} tokens; windows of {args.context_len} every {args.stride}")
     print(f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.5f} nats) over {result.scored_tokens} "
           f"tokens in {result.windows} windows, {result.seconds:.1f} s")

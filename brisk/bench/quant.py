@@ -38,7 +38,7 @@ from brisk.model.loader import open_checkpoint
 # What every row sets (a flag such as --kv-cache-dtype must not leak into rows whose label says
 # otherwise), then each row's own fields: weight formats on the model's default KV cache, then
 # KV cache kinds, then the combination meant for batched throughput.
-ROW_DEFAULTS = {"dtype": "float32", "quantization": None, "int8_activations": False, "kv_cache_dtype": "auto"}
+ROW_DEFAULTS = {"dtype": "float32", "quantization": "none", "int8_activations": False, "kv_cache_dtype": "auto"}
 CONFIGS: dict[str, dict] = {
     "float32": {},
     "bfloat16": {"dtype": "bfloat16"},

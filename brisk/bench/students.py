@@ -8,7 +8,9 @@ held-out answers (their answer tokens: what a draft model is asked to guess). Co
 read per decode step, single-stream decode tok/s and the output tok/s of a batch. The speed
 runs alternate between the models, round by round, so a noisy machine affects them alike; the
 median round counts. All models load with the same engine options, so `--quantization int4`
-compares the int4 teacher with int4 students.
+compares the int4 teacher with int4 students; the default, auto, resolves per file (a GGUF
+teacher keeps its own blocks on CPU, safetensors students run in --dtype), and `--quantization
+none` runs them all in --dtype. The report names each model's weights.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from brisk.config import ConfigError
 from brisk.training.distill.data import TeacherData, greedy_tokens
 from brisk.training.distill.train import STATE_DIR
 from brisk.llm import LLM
+from brisk.quant.modules import weight_footprint
 
 
 @dataclass
@@ -77,7 +80,8 @@ def main(args) -> None:
         greedy = reference if name == "teacher" else greedy_tokens(model, text + answers)
         ppl = perplexity(llm, data.heldout_text, args.context_len, args.stride)
         spec = model.hparams
-        rows[name] = Row(name, f"{spec.num_layers} x {spec.hidden_size} x {spec.intermediate_size}", sum(p.numel() for p in model.parameters()), weight_bytes(llm),
+        rows[name] = Row(name, f"{spec.num_layers} x {spec.hidden_size} x {spec.intermediate_size}",
+                         weight_footprint(model)[0], weight_bytes(llm),
                          ppl.perplexity, agreement(reference[:len(text)], greedy[:len(text)], firsts[:len(text)]),
                          agreement(reference[len(text):], greedy[len(text):], firsts[len(text):]), [], [])
         single_stream_decode(llm, prompts[0], 8)  # warm-up: kernels built, pointer tables filled
@@ -91,7 +95,8 @@ def main(args) -> None:
     print(f"held-out: {len(data.heldout_text)} tokens of {os.path.basename(data.config.corpus)} "
           f"(perplexity in windows of {args.context_len} every {args.stride}), {len(answers)} teacher answers "
           f"({sum(len(a) - f - 1 for a, f in zip(answers, firsts[len(text):]))} answer tokens); engine: "
-          f"{config.dtype}, quantization {config.quantization or 'none'}, {torch.get_num_threads()} threads; speed: "
+          f"{config.dtype}, weights {', '.join(f'{n} {llm.engine.weight_mode.name}' for n, llm in models.items())}, "
+          f"{torch.get_num_threads()} threads; speed: "
           f"{args.decode_len} tokens, single stream and {args.batch} at once, median of {args.rounds} rounds")
     print("\n| model | layers x hidden x intermediate | parameters | weights read per step | perplexity "
           "| top-1 agreement, text | top-1 agreement, answers | single-stream tok/s | vs teacher | batched tok/s | vs teacher "

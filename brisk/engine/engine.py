@@ -9,6 +9,8 @@ and techniques that act around a step (speculative decoding) through the step ho
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -26,12 +28,14 @@ from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import Progress, Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
 from brisk.engine.step_hook import NoStepHook, StepHook
-from brisk.model.loader import load_model, open_checkpoint, resolve_dtype
+from brisk.model.loader import kernels_name, load_model, open_checkpoint, resolve_dtype, resolve_weight_mode
 from brisk.sample.grammar import Grammar, GrammarCompiler
 from brisk.sampling_params import SamplingError, SamplingParams
 
 Prompt = str | list[int] | dict
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+logger = logging.getLogger("brisk.engine")
 
 
 class LLMEngine:
@@ -51,8 +55,12 @@ class LLMEngine:
         self.hparams = self.checkpoint.hparams
         self.tokenizer = self.checkpoint.tokenizer
         self.max_model_len = config.max_model_len or self.hparams.max_position_embeddings
-        self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len, config.quantization,
-                                config.quantization_group_size, config.int8_activations)
+        mode = self.weight_mode = resolve_weight_mode(config, self.checkpoint, self.device, self.dtype)
+        self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len, mode.quantization,
+                                mode.group_size, mode.int8_activations)
+        logger.info("loaded %s (%s): weights %s: %s; dtype %s; kernels %s",
+                    os.path.basename(self.checkpoint.path.rstrip("/")), self.hparams.architecture, mode.name,
+                    mode.weights, str(self.dtype).removeprefix("torch."), kernels_name(self.model.kernels, self.device))
         num_blocks = self._num_kv_blocks()  # after loading: on a GPU the cache gets what the weights leave
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # A speculative step already gains several tokens; its drafters keep state per step.

@@ -37,6 +37,7 @@
 #include "layer_ops.h"
 #include "matvec.h"
 #include "quant.h"
+#include "quant_gemm.h"
 #include "status.h"
 
 enum phase { PHASE_MATMUL, PHASE_ATTENTION, PHASE_OTHER };
@@ -85,10 +86,13 @@ static inline int64_t now_ns(void) {
     DEFINE_MATVEC(matvec_##WS, float, load_f32, store_f32, T, LOAD)                                       \
     DEFINE_LAYER_OPS(WS, float, load_f32, store_f32, T, LOAD)                                             \
                                                                                                           \
-    /* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias) */                                                  \
-    static void project_##WS(const struct weight *w, const float *x, float *y, int64_t m) {               \
+    /* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias); a8: the batched product's scratch */             \
+    static void project_##WS(const struct weight *w, const float *x, float *y, int64_t m,                 \
+                             const struct qg_scratch *a8) {                                               \
         if (w->format == WEIGHT_DENSE)                                                                    \
             matvec_##WS(x, (const T *)w->data, (const T *)w->bias, y, m, w->rows, w->cols);               \
+        else if (w->quantize_activations && m > QG_MIN_ROWS)                                              \
+            qmatmul_a8(w, x, y, m, a8);                                                                   \
         else                                                                                              \
             qmatvec(w, x, y, m);                                                                          \
     }
@@ -113,7 +117,10 @@ static inline int64_t now_ns(void) {
         float *gate_up = malloc(sizeof(float) * m * 2 * inter), *act = malloc(sizeof(float) * m * inter); \
         float *scratch = scratch_floats(decode_attention_scratch(m, model->num_heads, model->num_kv_heads, \
                                                                  batch->max_blocks, parts, threads));     \
+        struct qg_scratch a8 = {0};                                                                       \
+        const int64_t widest = hidden > inter ? (hidden > q_size ? hidden : q_size) : (inter > q_size ? inter : q_size); \
         const int status = residual && qkv && q && attended && gate_up && act && scratch                  \
+                               && (m <= QG_MIN_ROWS || qg_scratch_alloc(&a8, m, widest, threads) == KERNEL_OK) \
                                ? KERNEL_OK : KERNEL_OUT_OF_MEMORY;                                        \
         if (status == KERNEL_OK)                                                                          \
         _Pragma("omp parallel")                                                                           \
@@ -123,7 +130,7 @@ static inline int64_t now_ns(void) {
                 const struct decode_layer *layer = model->layers + l;                                     \
                 add_rms_norm_rows_##WS(x, residual, layer->input_norm, m, hidden, eps);               \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##WS(&layer->qkv, x, qkv, m);                                                 \
+                project_##WS(&layer->qkv, x, qkv, m, &a8);                                                 \
                 LAP(PHASE_MATMUL);                                                                        \
                 rope_tokens_##WS##_##CS(qkv, batch->positions, model->cos_table, model->sin_table, q,        \
                                      layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales,    \
@@ -139,15 +146,15 @@ static inline int64_t now_ns(void) {
                                           model->num_kv_heads, batch->max_blocks, model->scale, parts,    \
                                           scratch);                                                       \
                 LAP(PHASE_ATTENTION);                                                                     \
-                project_##WS(&layer->o, attended, x, m);                                              \
+                project_##WS(&layer->o, attended, x, m, &a8);                                              \
                 LAP(PHASE_MATMUL);                                                                        \
                 add_rms_norm_rows_##WS(x, residual, layer->post_attention_norm, m, hidden, eps);      \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##WS(&layer->gate_up, x, gate_up, m);                                         \
+                project_##WS(&layer->gate_up, x, gate_up, m, &a8);                                         \
                 LAP(PHASE_MATMUL);                                                                        \
                 silu_mul_rows_##WS(gate_up, act, m, inter);                                           \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##WS(&layer->down, act, x, m);                                                \
+                project_##WS(&layer->down, act, x, m, &a8);                                                \
                 LAP(PHASE_MATMUL);                                                                        \
             }                                                                                             \
             add_rms_norm_rows_##WS(x, residual, model->final_norm, m, hidden, eps);                   \
@@ -160,6 +167,7 @@ static inline int64_t now_ns(void) {
         free(gate_up);                                                                                    \
         free(act);                                                                                        \
         free(scratch);                                                                                    \
+        qg_scratch_free(&a8);                                                                             \
         return status;                                                                                    \
     }
 

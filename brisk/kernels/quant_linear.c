@@ -5,13 +5,23 @@
 #include <stdlib.h>
 
 #include "quant.h"
+#include "quant_gemm.h"
 #include "status.h"
 
 #define MATVEC_MAX_ROWS 8 /* up to here each weight block is multiplied into every row in registers */
 
-/* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias), float32 activations. Returns a kernel_status
- * (status.h): past MATVEC_MAX_ROWS each thread dequantizes into a panel of its own. */
+/* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias). Returns a kernel_status (status.h). With
+ * activations rounded to int8, past QG_MIN_ROWS rows: the panel product (quant_gemm.h). Else past
+ * MATVEC_MAX_ROWS each thread dequantizes into a float panel of its own. */
 int quant_linear(const struct weight *w, const float *x, float *y, int64_t m) {
+    if (w->quantize_activations && m > QG_MIN_ROWS) {
+        struct qg_scratch scratch;
+        if (qg_scratch_alloc(&scratch, m, w->cols, omp_get_max_threads()) != KERNEL_OK) return KERNEL_OUT_OF_MEMORY;
+        _Pragma("omp parallel")
+        qmatmul_a8(w, x, y, m, &scratch);
+        qg_scratch_free(&scratch);
+        return KERNEL_OK;
+    }
     if (m <= MATVEC_MAX_ROWS) {
         _Pragma("omp parallel")
         qmatvec(w, x, y, m);

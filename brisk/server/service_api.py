@@ -152,9 +152,10 @@ class ServiceAPI:
             "architecture": info.architecture, "parameters": info.parameters, "dtype": info.dtype,
             "device": info.device,
             "quantization": info.quantization and f"{info.quantization} in the file, "
-                            + (f"run as {info.runtime_quantization}" if info.runtime_quantization
+                            + (f"run as {info.weight_mode}" if info.runtime_quantization
                                else f"dequantized to {info.dtype}"),
             "runtime_quantization": info.runtime_quantization,
+            "weight_mode": info.weight_mode, "weights": info.weights, "kernels": info.kernels,
             "max_model_len": info.max_model_len, "max_num_seqs": info.max_num_seqs,
             "max_num_batched_tokens": info.max_num_batched_tokens,
             "kv_block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks, "kv_cache_dtype": info.kv_cache_dtype,

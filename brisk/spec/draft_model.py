@@ -30,7 +30,7 @@ from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
 from brisk.engine.runner import ModelRunner
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
-from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_dtype
+from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_dtype, resolve_weight_mode
 from brisk.sampling_params import SamplingParams
 from brisk.spec.verify import Draft
 
@@ -54,15 +54,19 @@ class DraftModelDrafter:
     def load(cls, config: EngineConfig, target: Checkpoint, max_model_len: int, num_kv_blocks: int) -> "DraftModelDrafter":
         name = config.speculative_config.model
         quantization = SELF_DRAFTS.get(name)
-        if quantization is not None and config.quantization is not None:
-            raise ConfigError(f"speculative_config.model {name!r} drafts for a float target; this one already runs "
-                              f"{config.quantization} weights, so its own low-bit copy would save nothing")
+        device = config.torch_device
+        dtype = resolve_dtype(config.dtype, device)
+        if quantization is not None:
+            target_mode = resolve_weight_mode(config, target, device, dtype)
+            if target_mode.quantization is not None:
+                raise ConfigError(f"speculative_config.model {name!r} drafts for a float target; this one already runs "
+                                  f"{target_mode.name} weights (quantization {config.quantization}), so its own "
+                                  f"low-bit copy would save nothing")
         checkpoint = target if quantization is not None else open_checkpoint(name)
         if checkpoint.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab():
             raise ConfigError(f"speculative_config.model {name!r} has another tokenizer than the model: "
                               f"a draft model must share it")
-        model = load_model(checkpoint, resolve_dtype(config.dtype, config.torch_device), config.torch_device, max_model_len,
-                           quantization)
+        model = load_model(checkpoint, dtype, device, max_model_len, quantization)
         if model.hparams.vocab_size != target.hparams.vocab_size:
             raise ConfigError(f"speculative_config.model {name!r} has {model.hparams.vocab_size} logits, the model "
                               f"{target.hparams.vocab_size}")

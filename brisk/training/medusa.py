@@ -251,7 +251,8 @@ def train_medusa(model: str | None, config: MedusaTrainConfig, log: Callable[[st
     """The whole run on `model` (a path; None: the default model). The heads' config records the
     settings and held-out accuracy, ready for `heads.save`."""
     clock = time.perf_counter()
-    llm = LLM(model, dtype="float32", seed=config.seed, max_num_batched_tokens=1024)
+    # The heads learn from full-precision features: float32, a GGUF file dequantized (not auto's blocks).
+    llm = LLM(model, dtype="float32", quantization="none", seed=config.seed, max_num_batched_tokens=1024)
     engine = llm.engine
     prompts = training_prompts(config.num_prompts)
     log(f"generating answers to {len(prompts)} prompts ({config.max_new_tokens} new tokens at most, "

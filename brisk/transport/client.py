@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from brisk.engine.output import RequestOutput
 from brisk.identity import content_digest, source_digest
 from brisk.engine.stats import EngineSnapshot, StatLogger
+from brisk.model.loader import kernels_name
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.modules import weight_footprint
 from brisk.sampling_params import SamplingParams
@@ -40,8 +41,11 @@ class ModelInfo:
     parameters: int
     dtype: str
     device: str
-    quantization: str | None  # how the file stores its weights, e.g. "Q4_1"; None for float files
-    runtime_quantization: str | None  # how they run: EngineConfig.quantization or a quantized folder's format
+    quantization: str | None  # how the file stores its weights, e.g. "Q4_1+Q8_0"; None for float files
+    runtime_quantization: str | None  # how they run: the resolved quantization (auto: "gguf" or None); None for floats
+    weight_mode: str  # the scheme they run in (model/loader.py: WeightMode.name), e.g. "gguf+a8"
+    weights: str  # what the file's weights became, in words (WeightMode.weights)
+    kernels: str  # the kernel backend chosen at load, and what for (model/loader.py: kernels_name)
     max_model_len: int
     vocab_size: int
     max_num_seqs: int
@@ -56,8 +60,8 @@ class ModelInfo:
     num_kv_heads: int
     # What the output depends on, hashed: the checkpoint's contents, brisk's code (identity.py)
     # and the settings that change the numbers or the defaults (dtype, device, context length,
-    # quantization, KV cache dtype, speculative decoding, seed). The response cache keys on it, so an answer is
-    # never served by a server whose model or settings would have answered differently.
+    # the weight mode as resolved, KV cache dtype, speculative decoding, seed). The response cache keys on it, so an
+    # answer is never served by a server whose model or settings would have answered differently.
     identity: str = ""
 
     @classmethod
@@ -68,8 +72,9 @@ class ModelInfo:
             format=engine.checkpoint.format, architecture=spec.architecture,
             parameters=weight_footprint(engine.model)[0],
             dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-            quantization=engine.checkpoint.quantization,
-            runtime_quantization=config.quantization or (engine.checkpoint.layout and engine.checkpoint.layout.method),
+            quantization=engine.checkpoint.quantization, runtime_quantization=engine.weight_mode.quantization,
+            weight_mode=engine.weight_mode.name, weights=engine.weight_mode.weights,
+            kernels=kernels_name(engine.model.kernels, engine.device),
             max_model_len=engine.max_model_len,
             vocab_size=spec.vocab_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
@@ -81,9 +86,10 @@ class ModelInfo:
 
 
 def _identity(engine: "LLMEngine") -> str:
-    config = engine.config
-    settings = (str(engine.dtype), str(engine.device), engine.max_model_len, config.quantization,
-                config.quantization_group_size, config.int8_activations, config.kv_cache_kind_for(engine.dtype),
+    """The flags as resolved: quantization auto and its explicit equal hash alike."""
+    config, mode = engine.config, engine.weight_mode
+    settings = (str(engine.dtype), str(engine.device), engine.max_model_len, mode.quantization,
+                mode.group_size, mode.int8_activations, config.kv_cache_kind_for(engine.dtype),
                 config.speculative_config and config.speculative_config.to_json(), config.seed)
     return hashlib.sha256(json.dumps([content_digest(engine.checkpoint.path), source_digest(), settings],
                                      default=str).encode()).hexdigest()

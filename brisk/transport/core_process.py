@@ -59,6 +59,7 @@ _CORE_MAIN = "import sys; from brisk.transport.core_process import main; sys.exi
 @dataclass
 class CoreStart:
     config: EngineConfig
+    log_level: int  # the API process's for brisk's loggers: the core's start line shows where that process's would
 
 
 @dataclass
@@ -104,7 +105,7 @@ class ProcessEngine(LoopClient):
                 pass_fds=[theirs.fileno()], env=_core_environment(omp_wait_policy))
         self._conn = Connection(ours.detach())
         try:
-            self._conn.send(CoreStart(config))
+            self._conn.send(CoreStart(config, logging.getLogger("brisk").getEffectiveLevel()))
             model_info = self._await_ready()
         except BaseException:
             self.process.kill()
@@ -265,6 +266,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(asctime)s engine-core %(levelname)s %(message)s")
     conn = Connection(int(argv[0]))
     start: CoreStart = conn.recv()
+    logging.getLogger("brisk").setLevel(start.log_level)
     try:
         engine = build_engine(start.config)
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which raises it

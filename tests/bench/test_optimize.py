@@ -66,7 +66,7 @@ def test_optimize_picks_a_configuration_meeting_the_targets_then_reuses_its_meas
     # best.yaml is a config `brisk serve` reads; it names the chosen techniques' knobs
     values = read_config_file(str(out / "best.yaml"), SERVE_CONFIGS)
     assert values["model"] == tiny_folder and values["dtype"] == "float32"
-    assert values.get("quantization") == ("int8" if "int8" in chosen else None)
+    assert values["quantization"] == ("int8" if "int8" in chosen else "none")  # plain's float32, not auto
     assert values["enable_prefix_caching"] is False  # plain's, which the engine's default is not
 
     # A target nothing meets: every run is reused, none measured again, and every output says so

@@ -49,7 +49,7 @@ def test_seeded_sampling_is_reproducible_after_preemption(real_llm, real_model_p
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=48, prompt_logprobs=1)
               for i in range(len(prompts))]
     alone = [_one(real_llm, p, sp) for p, sp in zip(prompts, params)]
-    cramped = LLM(real_model_path, dtype="float32", num_kv_blocks=20, max_model_len=256)
+    cramped = LLM(real_model_path, dtype="float32", quantization="none", num_kv_blocks=20, max_model_len=256)
     together = cramped.generate(prompts, params, use_tqdm=False)
     assert cramped.engine.scheduler.stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]

@@ -74,6 +74,7 @@ def test_real_model_greedy_tokens_with_eight_passes_per_step(real_model_path, re
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     expected = [o.outputs[0].token_ids for o in real_llm.generate(batch, params, use_tqdm=False)]
-    llm = LLM(real_model_path, dtype="float32", kv_cache_memory_gib=0.1, max_model_len=1024, num_scheduler_steps=8)
+    llm = LLM(real_model_path, dtype="float32", quantization="none", kv_cache_memory_gib=0.1, max_model_len=1024,
+              num_scheduler_steps=8)
     assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == expected
     assert_no_leaks(llm.engine)

@@ -30,7 +30,8 @@ def _texts(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def uncached(real_model_path) -> LLM:
-    return LLM(real_model_path, dtype="float32", enable_prefix_caching=False, num_kv_blocks=256, max_model_len=1024)
+    return LLM(real_model_path, dtype="float32", quantization="none", enable_prefix_caching=False, num_kv_blocks=256,
+               max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_shared_prefix_is_computed_once_and_output_is_unchanged(real_llm, uncach
 
 
 def test_output_is_unchanged_under_forced_preemption(real_model_path, reference):
-    llm = LLM(real_model_path, dtype="float32", num_kv_blocks=18, max_model_len=256)
+    llm = LLM(real_model_path, dtype="float32", quantization="none", num_kv_blocks=18, max_model_len=256)
     prompts = _prompts(llm)
     assert _texts(llm, prompts) == reference
     assert llm.engine.scheduler.stats.num_preemptions > 0 and llm.engine.kv.stats.hits > 0

@@ -67,7 +67,8 @@ def test_greedy_matches_transformers_in_one_batch(real_llm, prompts, expected):
 
 
 def test_greedy_matches_with_chunked_prefill(real_model_path, prompts, expected):
-    llm = LLM(real_model_path, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=128, max_model_len=512)
+    llm = LLM(real_model_path, dtype="float32", quantization="none", max_num_batched_tokens=16, num_kv_blocks=128,
+              max_model_len=512)
     assert _generate(llm, prompts) == expected
     assert llm.engine.scheduler.stats.num_steps > 64  # prompts really were split across steps
     assert_no_leaks(llm.engine)
@@ -75,7 +76,7 @@ def test_greedy_matches_with_chunked_prefill(real_model_path, prompts, expected)
 
 def test_greedy_matches_under_forced_preemption(real_model_path, prompts, expected):
     # 5 sequences of ~30-70 + 64 tokens need ~40 blocks of 16; 14 force recompute-preemption.
-    llm = LLM(real_model_path, dtype="float32", num_kv_blocks=14, max_model_len=224)
+    llm = LLM(real_model_path, dtype="float32", quantization="none", num_kv_blocks=14, max_model_len=224)
     assert _generate(llm, prompts) == expected
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert_no_leaks(llm.engine)

@@ -88,7 +88,8 @@ def test_prompt_lookup_speculation_keeps_the_greedy_tokens(real_model_path, prom
 @pytest.mark.parametrize("kind", ["bfloat16", "float16", "int8"])
 def test_kv_cache_kinds_give_the_cpu_tokens(real_model_path, prompts, kind):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    on_cpu = LLM(real_model_path, dtype="float32", kv_cache_dtype=kind, kv_cache_memory_gib=0.25, max_model_len=2048)
+    on_cpu = LLM(real_model_path, dtype="float32", quantization="none", kv_cache_dtype=kind, kv_cache_memory_gib=0.25,
+                 max_model_len=2048)
     assert _generate(_llm(real_model_path, kv_cache_dtype=kind), prompts, params) == _generate(on_cpu, prompts, params)
 
 

@@ -7,7 +7,9 @@ import json
 import httpx
 import pytest
 
+from brisk.transport.async_engine import AsyncEngine
 from tests.helpers import metric_values
+from tests.server.conftest import running_server
 
 pytestmark = pytest.mark.real_model
 
@@ -75,9 +77,24 @@ def test_model_info(http):
     info = http.get("/v1/model/info").json()
     assert info["name"] == "smollm2" and info["architecture"] == "llama"
     assert info["parameters"] == 134_515_008 and info["dtype"] == "float32"
-    assert info["quantization"].startswith("Q4_1") and info["kv_block_size"] == 16
+    assert info["quantization"] == "Q4_1+Q8_0 in the file, dequantized to float32" and info["kv_block_size"] == 16
+    assert (info["runtime_quantization"], info["weight_mode"]) == (None, "float32 (dequantized)")  # quantization none
+    assert info["kernels"].startswith(("CBackend (CPU capability ", "KernelBackend (CPU capability "))
     assert info["kv_cache_dtype"] == info["dtype"]  # auto: the model's dtype
     assert info["max_model_len"] == 2048 and info["num_kv_blocks"] > 0 and info["max_num_seqs"] == 64
+
+
+def test_model_info_names_the_mode_auto_chose(default_llm):
+    engine = AsyncEngine(engine=default_llm.engine)
+    try:
+        with running_server(engine) as url:
+            info = httpx.get(f"{url}/v1/model/info").json()
+    finally:
+        engine.shutdown()
+    assert (info["runtime_quantization"], info["weight_mode"]) == ("gguf", "gguf+a8")
+    assert info["quantization"] == "Q4_1+Q8_0 in the file, run as gguf+a8"
+    assert info["weights"] == "the file's Q4_1+Q8_0 blocks, int8 activations"
+    assert info["parameters"] == 134_515_008  # the quantized layers counted by the matrices they stand for
 
 
 def test_health(http):

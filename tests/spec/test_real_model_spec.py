@@ -62,7 +62,7 @@ def speculate(real_llm, real_model_path, request):
         elif method == "medusa":
             drafter = MedusaDrafter.load(spec, engine.checkpoint.path, engine.runner)
         else:
-            config = EngineConfig(model=real_model_path, dtype="float32", speculative_config=spec)
+            config = EngineConfig(model=real_model_path, dtype="float32", quantization="none", speculative_config=spec)
             drafter = DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, engine.kv.num_blocks)
         engine.step_hook = Speculator(spec, drafter)
 

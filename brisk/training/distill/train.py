@@ -328,7 +328,7 @@ def _data(teacher: Checkpoint, config: DistillConfig, log, progress: bool
             raise ConfigError(f"--teacher-data {config.teacher_data} was made for {data.teacher} with {data.config}; "
                               f"this run wants {teacher.path} with {wanted}")
         return data, load_model(teacher, torch.float32, torch.device("cpu"), max_len=config.seq_len)
-    llm = LLM(teacher.path, dtype="float32", seed=config.seed, max_num_batched_tokens=1024)
+    llm = LLM(teacher.path, dtype="float32", quantization="none", seed=config.seed, max_num_batched_tokens=1024)
     return teacher_data.build(llm, wanted, log, progress), llm.engine.model
 
 
