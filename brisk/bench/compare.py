@@ -7,9 +7,10 @@ otherwise look faster per request and slower per token, and the ratio would comp
 work). In order:
 
 - servers, each loaded by the same load generator (brisk/bench/load.py) with the same
-  arrivals: `brisk serve` with the engine flags given (and, for a GGUF model those flags run in
-  float weights, a second time on the file's own 4/8-bit blocks, which quantization auto runs by
-  default on CPU), then llama.cpp's own C++ server, `llama-server`, on the same GGUF
+  arrivals: `brisk serve` with the engine flags given, and a second time on the other side of
+  the GGUF file's weights: its own 4/8-bit blocks where the flags run float weights, dequantized
+  (`--quantization none`) where they run the blocks (quantization auto's choice on CPU); then
+  llama.cpp's own C++ server, `llama-server`, on the same GGUF
   with as many parallel slots as requests in flight, a context that gives each slot the
   longest request, and threads and batch sizes set explicitly (continuous batching, as its
   users run it);
@@ -70,6 +71,7 @@ class Row:
     failed: int = 0
     ttft_p50_ms: float | None = None
     tpot_p50_ms: float | None = None
+    client_cpu_s: float | None = None  # served rows: the load generator's CPU seconds, on the same cores
 
     @property
     def tokens_per_second(self) -> float:
@@ -83,7 +85,7 @@ class Row:
     def served(cls, system: str, how: str, report: LoadReport, asked: int) -> "Row":
         ttft, tpot = report.latency_ms["ttft"], report.latency_ms["tpot"]
         return cls(system, how, report.completed, report.output_tokens, report.duration_s, asked, report.failed,
-                   ttft.p50 if ttft else None, tpot.p50 if tpot else None)
+                   ttft.p50 if ttft else None, tpot.p50 if tpot else None, report.client_cpu_s)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,9 @@ def main(args) -> None:
     if checkpoint.format == "gguf" and mode.quantization != "gguf":  # llama.cpp's weights, run by brisk
         served.append(("brisk serve, the GGUF's own blocks (--quantization gguf)",
                        replace(config, quantization="gguf")))
+    elif checkpoint.format == "gguf":  # the same file dequantized, as brisk's default ran it before auto
+        served.append((f"brisk serve --quantization none (dequantized to {str(dtype).removeprefix('torch.')})",
+                       replace(config, quantization="none")))
     for how, engine in served:
         server = ServerConfig(port=free_port(), log_level="warning")
         flags = [*config_flags(engine), *config_flags(server), "--embedding-model", "none"]
@@ -234,10 +239,10 @@ def main(args) -> None:
 def print_tables(rows: list[Row], single: list[tuple[str, str, float]]) -> None:
     brisk = rows[0].tokens_per_second
     print("\n| system | how | requests (failed) | output tokens (asked) | seconds | output tok/s "
-          "| brisk serve's ratio to it | TTFT p50 (ms) | TPOT p50 (ms) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| brisk serve's ratio to it | TTFT p50 (ms) | TPOT p50 (ms) | load generator CPU s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        latency = " | ".join("-" if v is None else f"{v:.1f}" for v in (r.ttft_p50_ms, r.tpot_p50_ms))
+        latency = " | ".join("-" if v is None else f"{v:.1f}" for v in (r.ttft_p50_ms, r.tpot_p50_ms, r.client_cpu_s))
         ratio = f"{brisk:.1f} / {r.tokens_per_second:.1f} = {brisk / r.tokens_per_second:.2f}x" if r.output_tokens \
             else "-"
         written = f"{r.output_tokens}" + ("" if r.asked_tokens is None else f" ({r.asked_tokens})")

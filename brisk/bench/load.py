@@ -222,6 +222,9 @@ class LoadReport:
     output_throughput: float  # output tokens/s
     total_token_throughput: float | None  # (input + output) tokens/s
     latency_ms: dict[str, Summary | None]  # METRICS -> summary over completed requests
+    # CPU seconds this process (the load generator: its HTTP client, SSE parsing, bookkeeping) spent
+    # during the run. On a machine the server shares, they are taken from the server's cores.
+    client_cpu_s: float | None = None
     goodput: float | None = None  # requests/s meeting every target
     goodput_targets: str | None = None
     errors: list[str] = field(default_factory=list)  # the first few distinct ones
@@ -278,6 +281,9 @@ class LoadReport:
                  f"  throughput: {self.request_throughput:.2f} req/s, {self.output_throughput:.1f} output tok/s, "
                  + (f"{self.total_token_throughput:.1f} total tok/s" if self.total_token_throughput is not None
                     else "prompt tokens not reported by the server")]
+        if self.client_cpu_s is not None:
+            lines.append(f"  load generator: {self.client_cpu_s:.1f} CPU s ({self.client_cpu_s / self.duration_s:.0%} of "
+                         f"one core over the run)")
         if self.goodput is not None:
             lines.append(f"  goodput ({self.goodput_targets}): {self.goodput:.2f} req/s")
         for name in METRICS:
@@ -356,7 +362,7 @@ async def run_load(base_url: str, requests: list[LoadRequest], settings: LoadSet
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = settings.model or await served_model(session, base_url)
         bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
 
         async def one(request: LoadRequest, arrival: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
@@ -369,9 +375,10 @@ async def run_load(base_url: str, requests: list[LoadRequest], settings: LoadSet
             return record
 
         records = await asyncio.gather(*(one(r, a) for r, a in zip(requests, arrivals)))
-        duration = time.perf_counter() - start
+        duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         bar.close()
-    return LoadReport.of(records, duration, settings.goodput, label=label, base_url=base_url, model=model,
+    return LoadReport.of(records, duration, settings.goodput, client_cpu_s=client_cpu, label=label, base_url=base_url,
+                         model=model,
                          endpoint=settings.endpoint, request_rate=settings.request_rate,
                          max_concurrency=settings.max_concurrency)
 

@@ -44,10 +44,12 @@ class Section:
 SECTIONS = (
     Section("compare", "Side by side: brisk, llama.cpp's llama-server, transformers",
             "One workload (MT-Bench first turns, a fixed number of tokens each, greedy, EOS ignored on every side and "
-            "the tokens each side wrote checked against those asked for) against `brisk serve` with its defaults, "
-            "then running the GGUF's own blocks, and llama.cpp's C++ `llama-server` on the same GGUF with a slot per "
+            "the tokens each side wrote checked against those asked for) against `brisk serve` with its defaults (on "
+            "CPU the GGUF's own blocks, activations rounded to int8: quantization auto), then with the file "
+            "dequantized (`--quantization none`), and llama.cpp's C++ `llama-server` on the same GGUF with a slot per "
             "request in flight (built by `make llama-cpp` from the sources llama-cpp-python's pinned sdist vendors), "
-            "all loaded by the same load generator with every request at once; then single-stream decode beside "
+            "all loaded by the same load generator (its own CPU seconds beside each, as it runs on the same cores) "
+            "with every request at once; then single-stream decode beside "
             "`llama-bench`, brisk offline, and transformers `generate` (float32) one at a time and in static batches.",
             ("bench", "compare"), ("--num-prompts", "8", "--output-len", "32", "--hf-single-prompts", "1",
                                     "--hf-batch-size", "8")),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,8 @@ def _check_consistent(report: LoadReport, requests: list[LoadRequest]) -> None:
                                                               / report.duration_s)
     if report.goodput is not None:
         assert 0 <= report.goodput <= report.request_throughput
+    # the load generator's own CPU time: some (it parsed every chunk), at most all of this host's cores
+    assert 0 < report.client_cpu_s <= report.duration_s * os.cpu_count()
 
 
 def test_figures_add_up_on_the_real_model(base_url):
