@@ -152,6 +152,8 @@ def add_bench_parser(sub) -> None:
     qb.add_argument("--output-len", type=int, default=128)
     qb.add_argument("--perplexity-tokens", type=int, default=8192, help="tokens of text scored (0: skip)")
     qb.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row")
+    qb.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
+                    help="folder of llama-bench; default: make llama-cpp's build/llama.cpp/bin, else the PATH")
     add_engine_arguments(qb)
     qb.set_defaults(func=_main_of("brisk.bench.quant"), dtype="float32", max_num_batched_tokens=1024,
                     kv_cache_memory_gib=2.0)

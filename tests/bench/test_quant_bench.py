@@ -4,7 +4,12 @@ the numbers)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from brisk.cli import main
+from tests.bench.test_compare import fake_llama_cpp  # noqa: F401 (a fixture)
 from tests.conftest import build_tiny_checkpoint
 
 
@@ -38,3 +43,18 @@ def test_rows_rounding_activations_also_report_perplexity_through_the_decode_pat
     assert rows["float32"].endswith("(+0.00%)") and " / " not in rows["float32"]
     whole, decoding = rows["w8a8"].split(" / ")
     assert whole != decoding and all(part.endswith("%)") for part in (whole, decoding))
+
+
+@pytest.mark.real_model
+def test_the_llama_cpp_row_is_llama_bench_once_a_round(fake_llama_cpp, capsys):
+    """llama.cpp's single-stream row comes from its own llama-bench (a fake here that prints
+    123.4 tok/s), one repetition per round as each brisk row decodes once per round."""
+    code = main(["bench", "quant", "--configs", "gguf", "--num-prompts", "0", "--decode-len", "4", "--repeats", "2",
+                 "--perplexity-tokens", "0", "--llama-cpp-bin", str(fake_llama_cpp)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "llama.cpp: llama-bench (version: 42 (fake)" in out
+    row = next(line for line in out.splitlines() if line.startswith("| llama.cpp (same GGUF)"))
+    assert "| 123.4 (" in row
+    bench = json.loads((fake_llama_cpp / "bench-args.json").read_text())
+    assert bench[bench.index("--n-gen") + 1] == "4" and bench[bench.index("--repetitions") + 1] == "1"
