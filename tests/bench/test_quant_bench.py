@@ -9,7 +9,6 @@ import json
 import pytest
 
 from brisk.cli import main
-from tests.bench.test_compare import fake_llama_cpp  # noqa: F401 (a fixture)
 from tests.conftest import build_tiny_checkpoint
 
 
