@@ -100,6 +100,8 @@ TECHNIQUES = (
     Technique("int4", "int4 weights, groups of 32", {"quantization": "int4"}, group="weights"),
     Technique("gguf", "the GGUF file's own 4/8-bit blocks, run natively", {"quantization": "gguf"},
               group="weights"),
+    Technique("gguf-a8", "the GGUF file's own blocks with int8 activations (quantization auto's choice on CPU)",
+              {"quantization": "gguf", "int8_activations": True}, group="weights"),
     Technique("kv-int8", "int8 KV cache (a scale per token and head)", {"kv_cache_dtype": "int8"}),
     Technique("prefix-cache", "prefix caching (shared prompt blocks reused)", {"enable_prefix_caching": True}),
     Technique("ngram", "speculative decoding by prompt lookup, 4 tokens", {"speculative_config": NGRAM}),
@@ -122,7 +124,7 @@ def not_applicable(t: Technique, base: EngineConfig, model_path: str, concurrenc
     `concurrency`: the requests in flight once the load runs (None: not bounded by the load)."""
     if t.name == "bf16" and base.torch_device.type == "cpu" and not cpu_kernels.native_bf16():
         return "this CPU has no native bf16 (emulated bf16 matmuls are several times slower than fp32)"
-    if t.name == "gguf" and not model_path.endswith(".gguf"):
+    if t.engine.get("quantization") == "gguf" and not model_path.endswith(".gguf"):
         return "the model is not a GGUF file"
     if concurrency is None:
         return None

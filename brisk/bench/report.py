@@ -69,7 +69,7 @@ SECTIONS = (
             ("optimize", "--target", "ttft_p95_ms=2000", "--target", "tpot_p50_ms=80", "--max-quality-drop", "1",
              "--repeat-fraction", "0.25", "--fresh", "--out", f"{IMAGES}/optimize", "--no-progress"),
             ("--budget-minutes", "6", "--num-prompts", "8", "--output-len", "16", "--perplexity-tokens", "1024",
-             "--skip", "bf16", "int8", "int4", "gguf", "kv-int8", "chunk-512", "response-cache")),
+             "--skip", "bf16", "int8", "int4", "gguf", "gguf-a8", "kv-int8", "chunk-512", "response-cache")),
     Section("dashboard", "The live dashboard under load",
             "GET /dashboard in headless Chromium while MT-Bench questions (a third of them repeated) arrive at "
             "2 req/s.",

@@ -179,6 +179,9 @@ def test_knobs_that_cannot_act_on_the_workload_are_reported_not_tried(tmp_path, 
     limit = drafting_limit(SpeculativeConfig.parse(NGRAM))
     assert "drafts only while at most 2 sequences run" in not_applicable(ngram, base, weights, limit + 1)
     assert not_applicable(ngram, base, weights, limit) is None
+    for blocks in ("gguf", "gguf-a8"):  # a GGUF file's own blocks: a folder of weights has none
+        assert not_applicable(technique(blocks), base, "/models/m/", None) == "the model is not a GGUF file"
+        assert not_applicable(technique(blocks), base, "/models/m.Q4_1.gguf", None) is None
     opt = _scripted(tmp_path, "--max-concurrency", "8", "--skip", "int4", model=weights)
     opt.skipped.pop("seqs-16"), opt.skipped.pop("ngram")  # offered, so the rule and not --skip leaves them out
     opt.run()
