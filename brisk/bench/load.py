@@ -378,8 +378,7 @@ async def run_load(base_url: str, requests: list[LoadRequest], settings: LoadSet
         duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         bar.close()
     return LoadReport.of(records, duration, settings.goodput, client_cpu_s=client_cpu, label=label, base_url=base_url,
-                         model=model,
-                         endpoint=settings.endpoint, request_rate=settings.request_rate,
+                         model=model, endpoint=settings.endpoint, request_rate=settings.request_rate,
                          max_concurrency=settings.max_concurrency)
 
 

@@ -81,6 +81,18 @@ static inline int64_t now_ns(void) {
         }                                                                                                 \
     } while (0)
 
+/* Whether any projection rounds its activations to int8: only then does a step past QG_MIN_ROWS
+ * sequences take the batched product's scratch. */
+static int rounds_activations(const struct decode_model *model) {
+    for (int64_t l = 0; l < model->num_layers; l++) {
+        const struct decode_layer *layer = model->layers + l;
+        if (layer->qkv.quantize_activations || layer->o.quantize_activations || layer->gate_up.quantize_activations
+            || layer->down.quantize_activations)
+            return 1;
+    }
+    return 0;
+}
+
 /* What depends on the model's dtype only: the dense product and the norms. */
 #define DEFINE_MODEL_OPS(WS, T, LOAD)                                                                     \
     DEFINE_MATVEC(matvec_##WS, float, load_f32, store_f32, T, LOAD)                                       \
@@ -120,7 +132,8 @@ static inline int64_t now_ns(void) {
         struct qg_scratch a8 = {0};                                                                       \
         const int64_t widest = hidden > inter ? (hidden > q_size ? hidden : q_size) : (inter > q_size ? inter : q_size); \
         const int status = residual && qkv && q && attended && gate_up && act && scratch                  \
-                               && (m <= QG_MIN_ROWS || qg_scratch_alloc(&a8, m, widest, threads) == KERNEL_OK) \
+                               && (m <= QG_MIN_ROWS || !rounds_activations(model)                 \
+                                   || qg_scratch_alloc(&a8, m, widest, threads) == KERNEL_OK)             \
                                ? KERNEL_OK : KERNEL_OUT_OF_MEMORY;                                        \
         if (status == KERNEL_OK)                                                                          \
         _Pragma("omp parallel")                                                                           \

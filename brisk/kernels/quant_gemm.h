@@ -63,6 +63,8 @@
 #define QG_UNSIGNED 1
 #define QG_MIN_ROWS 4
 #endif
+/* A signed format's offset per unit of scale: -128 takes back the + 128 of codes stored unsigned. */
+#define QG_SIGNED_OFFSET (QG_UNSIGNED ? -128.0f : 0.0f)
 
 /* A panel block: codes [8 words][QG_NR lanes][4 bytes], then scales d [QG_NR], offsets o [QG_NR]
  * (floats). Word t of lane l holds elements 4t .. 4t + 3 of row j0 + l's block. A multiple of 64
@@ -93,7 +95,7 @@ static inline void qg_scale_q8_0(const struct weight *w, int64_t j, int64_t b, f
     uint16_t h;
     memcpy(&h, qg_codes_q8_0(w, j, b) - 2, 2);
     *d = load_f16_scalar(h);
-    *o = QG_UNSIGNED ? -128.0f * *d : 0.0f; /* the + 128 of the stored codes taken back */
+    *o = QG_SIGNED_OFFSET * *d;
 }
 
 static inline const uint8_t *qg_codes_int8(const struct weight *w, int64_t j, int64_t b) {
@@ -103,7 +105,7 @@ static inline const uint8_t *qg_codes_int8(const struct weight *w, int64_t j, in
 static inline void qg_scale_int8(const struct weight *w, int64_t j, int64_t b, float *d, float *o) {
     (void)b;
     *d = row_scale(w, j);
-    *o = QG_UNSIGNED ? -128.0f * *d : 0.0f;
+    *o = QG_SIGNED_OFFSET * *d;
 }
 
 #define QG_NIBBLES_int4 1
@@ -257,7 +259,7 @@ static inline void qg_pack_scales_q8_0(const struct weight *w, int64_t j0, int64
         const __m512i words = _mm512_i32gather_epi32(rows, (const void *)(first + b * 34), 1);
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
         _mm512_store_ps(qg_scales(panel, b), d);
-        _mm512_store_ps(qg_offsets(panel, b), _mm512_mul_ps(d, _mm512_set1_ps(-128.0f)));
+        _mm512_store_ps(qg_offsets(panel, b), _mm512_mul_ps(d, _mm512_set1_ps(QG_SIGNED_OFFSET)));
     }
 }
 #else
@@ -470,7 +472,6 @@ static inline int qg_scratch_alloc(struct qg_scratch *s, int64_t m, int64_t max_
     qg_scratch_free(s);
     return KERNEL_OUT_OF_MEMORY;
 }
-
 
 /* y [m, rows] = x @ w^T (+ bias) for a weight with quantize_activations set, in the calling
  * parallel region: every row of x rounded once (one barrier), then the panel product. */
