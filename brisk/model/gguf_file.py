@@ -1,4 +1,5 @@
-"""GGUF files: metadata -> HParams, tensors -> HF-named weights, vocabulary -> Tokenizer.
+"""GGUF files: metadata -> HParams, tensors -> HF-named weights, vocabulary -> Tokenizer
+(model/gguf_tokenizer.py).
 
 The header is parsed here with `struct` rather than by `gguf.GGUFReader`, which took 5.7 s on the
 default model (it builds a numpy view per vocabulary string); this takes a fraction of a second.
@@ -16,12 +17,11 @@ from typing import Any, Iterator
 
 import gguf
 import numpy as np
-import tokenizers
 import torch
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks
 from brisk.model.hparams import HParams, gguf_architecture
+from brisk.model.gguf_tokenizer import gguf_tokenizer
 from brisk.model.tokenizer import Tokenizer
 
 _LAYER_TENSORS = {
@@ -31,17 +31,6 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-# Pre-tokenizer regexes of llama.cpp's `tokenizer.ggml.pre` names (see llama-vocab.cpp).
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DIGIT_SPLITTING_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-
-_CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4
-
 
 @dataclass
 class GGUFTensor:
@@ -190,32 +179,7 @@ class GGUFCheckpoint:
             yield hf_name, weight
 
     def tokenizer(self) -> Tokenizer:
-        kind = self._field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: gpt2 byte-level BPE)")
-        tokens = self._field("tokenizer.ggml.tokens")
-        types = self._field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
-        backend = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                                  fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _pre_tokenizer(self._field("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
-        backend.add_tokens([AddedToken(t, special=(ty == _CONTROL_TOKEN), normalized=False)
-                            for t, ty in zip(tokens, types) if ty in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)])
-        special = {role: self._token(tokens, f"tokenizer.ggml.{key}_token_id")
-                   for role, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
-                                     ("pad_token", "padding"))}
-        if self._field("tokenizer.ggml.add_bos_token", False) and special["bos_token"]:
-            bos = special["bos_token"]
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
-        eos_ids = [self._field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-        return Tokenizer(backend, chat_template=self._field("tokenizer.chat_template"), special_tokens=special,
-                         eos_token_ids=list(dict.fromkeys(i for i in eos_ids if i is not None)))
-
-    def _token(self, tokens: list[str], key: str) -> str | None:
-        token_id = self._field(key)
-        return None if token_id is None or token_id >= len(tokens) else tokens[token_id]
+        return gguf_tokenizer(self.file.fields)
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -224,18 +188,6 @@ def _hf_name(gguf_name: str) -> str:
         _, layer, kind = stem.split(".", 2)
         return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
     return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("llama3", "llama-bpe", "llama-v3"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_REGEX), "isolated"), byte_level])
-    if pre == "qwen2":
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_REGEX), "isolated"), byte_level])
-    gpt2 = pre_tokenizers.Split(Regex(_GPT2_REGEX), "isolated")
-    if pre in _DIGIT_SPLITTING_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2, byte_level])
-    return pre_tokenizers.Sequence([gpt2, byte_level])
 
 
 def _undo_rope_permutation(weight: torch.Tensor | QuantizedTensor, num_heads: int) -> torch.Tensor | QuantizedTensor:

@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         for target, shards in quantized.items():
             if rows_filled[target] != sum(t.shape[0] for _, t in shards):
                 raise ValueError(f"{target}: some shards are quantized and some are not")
-            install_quantized(self, target, QuantizedTensor.cat([t for _, t in sorted(shards, key=lambda s: s[0])]))
+            install_quantized(self, target, [t for _, t in sorted(shards, key=lambda s: s[0])])
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Our weights under their Hugging Face names, fused ones split back into their shards:

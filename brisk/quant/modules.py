@@ -145,9 +145,15 @@ def weight_footprint(model: nn.Module) -> tuple[int, int]:
     return count, size
 
 
-def install_quantized(model: nn.Module, param_name: str, weight: QuantizedTensor) -> None:
+def install_quantized(model: nn.Module, param_name: str, shards: list[QuantizedTensor]) -> None:
     """Puts a weight loaded already quantized (GGUF blocks) in place of the float parameter
-    `param_name` ("...weight"), whose layer becomes the quantized kind, in the model's backend."""
+    `param_name` ("...weight"), whose layer becomes the quantized kind, in the model's backend.
+    shards: the weight's row blocks in order (q, k and v of a fused projection), stacked here."""
+    formats = sorted({shard.format for shard in shards})
+    if len(formats) > 1:
+        raise ValueError(f"{param_name}: its shards are stored in different formats ({', '.join(formats)}), "
+                         "which one fused projection cannot hold yet")
+    weight = QuantizedTensor.cat(shards)
     name = param_name.removesuffix(".weight")
     module = model.get_submodule(name)
     if isinstance(module, nn.Embedding):
