@@ -29,6 +29,13 @@ TINY_ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
+    # Windows shorter than the tests' prompts (7: mid-block for their 4-token blocks), local and
+    # global layers with their own RoPE bases, a query scale that is not head_dim's, one KV head.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        tie_word_embeddings=True, num_hidden_layers=3, num_key_value_heads=1, head_dim=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=7,
+        query_pre_attn_scalar=24, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
 }
 
 TINY_CHAT_TEMPLATE = (
@@ -56,7 +63,7 @@ def build_tiny_checkpoint(folder: str, architecture: str) -> str:
     import transformers
 
     config_cls, model_cls, extra = TINY_ARCHITECTURES[architecture]
-    config = getattr(transformers, config_cls)(**_TINY_COMMON, **extra, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, config_cls)(**(_TINY_COMMON | extra), bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config)
     model.save_pretrained(folder, safe_serialization=True)

@@ -38,7 +38,7 @@ _KERNELS = [
     (torch, "mm", "matmul"),
     (cpu_kernels, "decode_attention", "attention"), (cpu_kernels, "prefill_attention", "attention"),
     (cpu_kernels, "rope_write_kv", "rest: rope + kv write"), (cpu_kernels, "add_rms_norm", "rest: norms"),
-    (cpu_kernels, "rms_norm", "rest: norms"), (cpu_kernels, "silu_mul", "rest: silu-mul"),
+    (cpu_kernels, "rms_norm", "rest: norms"), (cpu_kernels, "act_mul", "rest: activation"),
 ]
 _PHASES = [
     (engine_module.Scheduler, "schedule", "phase: schedule"),

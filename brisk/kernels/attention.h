@@ -21,7 +21,9 @@
  * A row of a speculative candidate tree sees its context and its ancestors, not its siblings'
  * branches, which sit in the slots between: bit j of ancestor_masks[s] says whether row s sees
  * the key j positions before its own (bit 0, itself, always set; keys further back than 63 are
- * always seen). -1 (every bit) is a plain row. Both bodies here are orphaned `omp for` loops (see
+ * always seen). -1 (every bit) is a plain row. A sliding-window layer (window > 0) sees only keys
+ * at positions[s] - window + 1 and after: the blocks before are not read (a row's position is
+ * its slot's, but a tree row's sits below: its ancestors' depth). Both bodies here are orphaned `omp for` loops (see
  * matvec.h): paged_attention.c wraps
  * each in its own parallel region, decode_layers.c runs them inside the step's one region.
  * BLOCK_SIZE and HEAD_DIM are compile-time constants: the files that include this are built per
@@ -107,9 +109,10 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                                                  const float *restrict v_scales,                          \
                                                  const int64_t *restrict block_tables,                    \
                                                  const int64_t *restrict context_lens,                    \
-                                                 const int64_t *restrict ancestor_masks, XT *restrict out,\
+                                                 const int64_t *restrict ancestor_masks,                  \
+                                                 const int64_t *restrict positions, XT *restrict out,     \
                                                  int64_t num_seqs, int64_t num_heads,                     \
-                                                 int64_t num_kv_heads, int64_t max_blocks,                \
+                                                 int64_t num_kv_heads, int64_t max_blocks, int64_t window, \
                                                  float scale, int64_t parts, float *restrict scratch) {   \
         const int64_t group = num_heads / num_kv_heads;                                                   \
         const int64_t block_elems = BLOCK_SIZE * HEAD_DIM, slot = HEAD_DIM + 2;                           \
@@ -121,8 +124,11 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
                 for (int64_t part = 0; part < parts; part++) {                                            \
                     const int64_t len = context_lens[s];                                                  \
-                    const int64_t num_blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE;                       \
-                    const int64_t first = part * num_blocks / parts, last = (part + 1) * num_blocks / parts; \
+                    /* the first key the row sees: its window's, or the context's */                      \
+                    const int64_t seen = window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0; \
+                    const int64_t num_blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE - seen / BLOCK_SIZE;   \
+                    const int64_t first = seen / BLOCK_SIZE + part * num_blocks / parts;                  \
+                    const int64_t last = seen / BLOCK_SIZE + (part + 1) * num_blocks / parts;             \
                     const int64_t start = first * BLOCK_SIZE, end = last * BLOCK_SIZE < len ? last * BLOCK_SIZE : len; \
                     const int64_t padded = (last - first) * BLOCK_SIZE;                                   \
                     const int64_t *table = block_tables + s * max_blocks;                                 \
@@ -163,6 +169,7 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                             for (int64_t j = 1; j < 64 && j < len; j++)                                   \
                                 if (!((ancestors >> j) & 1) && len - 1 - j >= start && len - 1 - j < end) \
                                     p[len - 1 - j - start] = -FLT_MAX;                                    \
+                        for (int64_t t = start; t < seen && t < end; t++) p[t - start] = -FLT_MAX;       \
                         for (int64_t t = 0; t < end - start; t++) top = p[t] > top ? p[t] : top;          \
                         _Pragma("omp simd reduction(+:sum)")                                              \
                         for (int64_t t = 0; t < padded; t++) {                                            \

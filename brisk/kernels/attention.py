@@ -42,21 +42,25 @@ class PrefillSpan:
     end: int  # one past the last
     context_len: int  # tokens in the KV cache after this step, the chunk included
     block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 block ids
-    _causal_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _causal_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def first_position(self) -> int:
         """Position of the chunk's first token in its sequence (0 for a fresh prompt)."""
         return self.context_len - (self.end - self.start)
 
-    def causal_mask(self, device: torch.device) -> torch.Tensor:
-        """[chunk_len, context_len] True where query i (at first_position + i) may attend.
-        Built on first use and shared by every layer of the step (torch path only)."""
-        if self._causal_mask is None:
-            query_positions = torch.arange(self.first_position, self.context_len, device=device)
-            keys = torch.arange(self.context_len, device=device)
-            self._causal_mask = keys.unsqueeze(0) <= query_positions.unsqueeze(1)
-        return self._causal_mask
+    def causal_mask(self, device: torch.device, window: int = 0) -> torch.Tensor:
+        """[chunk_len, context_len] True where query i (at first_position + i) may attend: keys
+        at or before it, and within its last `window` positions when window > 0. Built on first
+        use per window and shared by every layer of the step (torch path only)."""
+        if window not in self._causal_masks:
+            query_positions = torch.arange(self.first_position, self.context_len, device=device).unsqueeze(1)
+            keys = torch.arange(self.context_len, device=device).unsqueeze(0)
+            mask = keys <= query_positions
+            if window:
+                mask &= keys > query_positions - window
+            self._causal_masks[window] = mask
+        return self._causal_masks[window]
 
 
 @dataclass
@@ -92,7 +96,7 @@ class AttentionMetadata:
     # among the 63 keys before their own (bit j: the key j back; -1 for a plain row). See below.
     decode_ancestor_masks: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
-    _decode_padding: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _decode_padding: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _prefill_batch: PrefillBatch | None = field(default=None, repr=False, compare=False)
 
     def prefill_batch(self) -> PrefillBatch:
@@ -102,24 +106,30 @@ class AttentionMetadata:
             self._prefill_batch = PrefillBatch.of(self.prefills, self.slot_blocks.device)
         return self._prefill_batch
 
-    def decode_padding(self, block_size: int) -> torch.Tensor:
+    def decode_padding(self, block_size: int, window: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """[num_decodes, max_blocks * block_size] True where a decode row does not look: past its
-        context, and a tree row's non-ancestors. Built on first use and shared by every layer of
-        the step (torch path only)."""
-        if self._decode_padding is None:
+        context, a tree row's non-ancestors, and with a window the keys before the row's last
+        `window` positions (positions: the rows' own, [num_decodes] or longer). Built on first
+        use per window and shared by every layer of the step (torch path only)."""
+        if window not in self._decode_padding:
             keys = torch.arange(self.decode_block_tables.shape[1] * block_size,
-                                device=self.decode_context_lens.device)
-            back = self.decode_context_lens.unsqueeze(1) - 1 - keys.unsqueeze(0)  # how far before the row's own
+                                device=self.decode_context_lens.device).unsqueeze(0)
+            back = self.decode_context_lens.unsqueeze(1) - 1 - keys  # how far before the row's own
             hidden = back < 0
             if self.decode_ancestor_masks is not None:
                 bits = torch.bitwise_right_shift(self.decode_ancestor_masks.unsqueeze(1), back.clamp(0, 63)) & 1
                 hidden |= (back < 64) & (bits == 0)
-            self._decode_padding = hidden
-        return self._decode_padding
+            if window:
+                hidden |= keys <= positions[:self.num_decodes].unsqueeze(1) - window
+            self._decode_padding[window] = hidden
+        return self._decode_padding[window]
 
 
-def decode_attention_torch(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence, scored block by block against its padded block table."""
+def decode_attention_torch(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
+                           window: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence, scored block by block against its padded block table. A key of
+    the committed context sits at the slot of its position, which is what a window compares;
+    a tree's own keys are all within 64 slots, inside any window this is used with."""
     n, h_q, d = q.shape
     _, h_kv, bs, _ = cache.v.shape
     group = h_q // h_kv
@@ -127,7 +137,7 @@ def decode_attention_torch(q: torch.Tensor, cache: KVCacheLayer, meta: Attention
     nb = tables.shape[1]
     scores = torch.matmul(q.view(n, 1, h_kv, group, d), cache.keys(tables, q.dtype))  # [n, nb, H_kv, G, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(n, h_kv, group, nb * bs)
-    padding = meta.decode_padding(bs).view(n, 1, 1, -1)
+    padding = meta.decode_padding(bs, window, positions).view(n, 1, 1, -1)
     scores = scores.float().mul_(scale).masked_fill_(padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     probs = probs.view(n, h_kv, group, nb, bs).permute(0, 3, 1, 2, 4)  # [n, nb, H_kv, G, bs]
@@ -135,16 +145,19 @@ def decode_attention_torch(q: torch.Tensor, cache: KVCacheLayer, meta: Attention
     return out.reshape(n, h_q, d)
 
 
-def prefill_attention_torch(q: torch.Tensor, cache: KVCacheLayer, span: PrefillSpan, scale: float) -> torch.Tensor:
+def prefill_attention_torch(q: torch.Tensor, cache: KVCacheLayer, span: PrefillSpan, scale: float,
+                            window: int = 0) -> torch.Tensor:
     """q [L, H_q, D]: the span's queries -> [L, H_q, D]."""
     qs = q.transpose(0, 1)  # [H_q, L, D]
     ks = gather_context(cache.keys(span.block_table, q.dtype).transpose(-1, -2), span)
     vs = gather_context(cache.values(span.block_table, q.dtype), span)
-    if span.first_position == 0:  # the chunk is the whole context: plain causal attention
+    if window >= span.context_len:
+        window = 0  # the window holds the whole context
+    if span.first_position == 0 and not window:  # the chunk is the whole context: plain causal attention
         result = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # continuing a cached context
-        result = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.causal_mask(q.device), scale=scale,
-                                                enable_gqa=True)
+    else:  # continuing a cached context, or a window
+        result = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.causal_mask(q.device, window),
+                                                scale=scale, enable_gqa=True)
     return result.transpose(0, 1)
 
 

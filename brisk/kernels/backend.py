@@ -30,6 +30,11 @@ from brisk.kernels.attention import AttentionMetadata, PrefillSpan, decode_atten
 from brisk.kernels.kv_cache import KVCacheLayer
 
 
+# The gated MLPs' activations: SiLU (Llama, Qwen, Mistral), GELU with the tanh approximation
+# (Gemma's gelu_pytorch_tanh). The C kernels number them in this order (layer_ops.h).
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 def wants_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd must see this op: no kernel has a backward, so training (Medusa heads,
     distillation) takes the torch formulation of every op whose inputs want a gradient."""
@@ -67,10 +72,10 @@ class KernelBackend:
         residual = residual + x
         return F.rms_norm(residual, weight.shape, weight, eps), residual
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """[T, 2I] (gate, then up) -> act(gate) * up [T, I]; activation one of ACTIVATIONS."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return ACTIVATIONS[activation](gate) * up
 
     # --- attention ----------------------------------------------------------------------------
 
@@ -89,33 +94,36 @@ class KernelBackend:
         cache.write(rope.apply(k), v.reshape(t, num_kv_heads, head_dim), meta.slot_blocks, meta.slot_offsets)
         return rope.apply(q)
 
-    def paged_attention(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+    def paged_attention(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
+                        window: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H_q, D] (contiguous) of this step's tokens, whose K/V are already in the cache
-        -> [T, H_q, D]: the decode rows first, then the prefill spans (kernels/attention.py)."""
+        -> [T, H_q, D]: the decode rows first, then the prefill spans (kernels/attention.py).
+        window: each query sees the keys of its last `window` positions only (0: all); the decode
+        rows' positions (positions[:num_decodes]) place it, since a speculative tree's row sits
+        at a position below its slot."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            self.decode_attention(q[:nd], cache, meta, scale, out[:nd])
+            self.decode_attention(q[:nd], cache, meta, scale, out[:nd], window, positions)
         if meta.prefills:
-            self.prefill_attention(q, cache, meta, scale, out)
+            self.prefill_attention(q, cache, meta, scale, out, window)
         return out
 
     def decode_attention(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
-                         out: torch.Tensor) -> None:
+                         out: torch.Tensor, window: int = 0, positions: torch.Tensor | None = None) -> None:
         """The step's decode rows q [num_decodes, H_q, D] -> out, one query per sequence."""
-        out.copy_(decode_attention_torch(q, cache, meta, scale))
+        out.copy_(decode_attention_torch(q, cache, meta, scale, window, positions))
 
     def prefill_attention(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, window: int = 0) -> None:
         """Every prefill span of the step (q and out: the whole step's rows), span by span."""
         for span in meta.prefills:
-            self.span_attention(q[span.start:span.end], cache, span, scale, out[span.start:span.end])
+            self.span_attention(q[span.start:span.end], cache, span, scale, out[span.start:span.end], window)
 
     def span_attention(self, q: torch.Tensor, cache: KVCacheLayer, span: PrefillSpan, scale: float,
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor, window: int = 0) -> None:
         """One span's queries q [L, H_q, D] -> out, causal by absolute position."""
-        out.copy_(prefill_attention_torch(q, cache, span, scale))
+        out.copy_(prefill_attention_torch(q, cache, span, scale, window))
 
     # --- a whole decode step ------------------------------------------------------------------
 
@@ -125,8 +133,8 @@ class KernelBackend:
         norm's: the model's dtype) with caches like `cache`."""
         return False
 
-    def decode_layers(self, layers: list, final_norm: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                      num_heads: int, num_kv_heads: int, eps: float):
+    def decode_layers(self, layers: list, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+                      scale: float, activation: str):
         """The model's layers as one callable decode step; only where `fuses_decode` says yes."""
         raise NotImplementedError(f"the {self.name} backend has no fused decode step")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from brisk.kernels.backend import KernelBackend, wants_grad
+from brisk.kernels.backend import ACTIVATIONS, KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.kernels.packed import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
 
@@ -42,15 +42,15 @@ _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, then cache kind) pick the variant
-    "paged_decode_attention": [_PTR] * 9 + [_I64] * 4 + [ctypes.c_float],
-    "paged_prefill_attention": [_PTR] * 7 + [_I64] * 4 + [ctypes.c_float],
+    "paged_decode_attention": [_PTR] * 10 + [_I64] * 5 + [ctypes.c_float],
+    "paged_prefill_attention": [_PTR] * 7 + [_I64] * 5 + [ctypes.c_float],
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
     "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
     "target_logprobs": [_PTR, _I64, _I64] + [_PTR] * 4,
     "mask_rows": [_PTR, _I64, _PTR, _I64, _PTR, _I64],
     "rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
-    "silu_mul": [_PTR] * 2 + [_I64] * 2,
+    "act_mul": [_PTR] * 2 + [_I64] * 3,
     "quantize_rows_int8": [_PTR, _I64, _I64, ctypes.c_float] + [_PTR] * 3,
     "scale_int32": [_PTR, _I64, _I64] + [_PTR] * 4,
     "rope_write_kv": [_PTR] * 13 + [ctypes.c_float] + [_I64] * 3,
@@ -192,23 +192,28 @@ def _serves(source_name: str, x: torch.Tensor, cache: KVCacheLayer) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float, out: torch.Tensor, ancestor_masks: torch.Tensor | None = None) -> None:
+                     scale: float, out: torch.Tensor, ancestor_masks: torch.Tensor | None = None, window: int = 0,
+                     positions: torch.Tensor | None = None) -> None:
     """q [n, H_q, D] (contiguous), one query per sequence, over its blocks in the cache -> out [n, H_q, D].
-    ancestor_masks [n] int64 or None: which of the 63 keys before each row's own it sees (attention.h)."""
+    ancestor_masks [n] int64 or None: which of the 63 keys before each row's own it sees (attention.h).
+    window > 0: each row sees the keys of its last `window` positions (positions [n] int64: the rows')."""
     n, num_heads, _ = q.shape
+    if window and positions is None:
+        raise ValueError("a windowed decode attention needs the rows' positions")
     _check(_cache_kernel(_shaped_library("paged_attention.c", cache), "paged_decode_attention", q.dtype, cache)(
         q.data_ptr(), *_cache_pointers(cache), block_tables.data_ptr(), context_lens.data_ptr(),
-        _ptr(ancestor_masks), out.data_ptr(), n, num_heads, cache.v.shape[1], block_tables.shape[1], scale),
-        "paged_decode_attention")
+        _ptr(ancestor_masks), _ptr(positions) if window else None, out.data_ptr(), n, num_heads, cache.v.shape[1],
+        block_tables.shape[1], window, scale), "paged_decode_attention")
 
 
 def prefill_attention(q: torch.Tensor, cache: KVCacheLayer, block_table: torch.Tensor, start: int, scale: float,
-                      out: torch.Tensor) -> None:
-    """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> out [L, H_q, D]."""
+                      out: torch.Tensor, window: int = 0) -> None:
+    """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> out [L, H_q, D];
+    window > 0: each query sees its last `window` positions only."""
     num_queries, num_heads, _ = q.shape
     _cache_kernel(_shaped_library("paged_attention.c", cache), "paged_prefill_attention", q.dtype, cache)(
         q.data_ptr(), *_cache_pointers(cache), block_table.data_ptr(), out.data_ptr(),
-        num_queries, start, num_heads, cache.v.shape[1], scale)
+        num_queries, start, num_heads, cache.v.shape[1], window, scale)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -290,12 +295,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                                        eps)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]."""
+def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[rows, 2 * inter] (gate, then up) -> act(gate) * up [rows, inter]; activation: one of ACTIVATIONS."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    _layer_op("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    _layer_op("act_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, inter, _ACTIVATION_IDS[activation])
     return out
+
+
+_ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}  # enum activation, layer_ops.h
 
 
 class _Weight(ctypes.Structure):  # struct weight, quant.h
@@ -306,14 +314,16 @@ class _Weight(ctypes.Structure):  # struct weight, quant.h
 
 class _Layer(ctypes.Structure):  # struct decode_layer
     _fields_ = [("input_norm", _PTR), ("post_attention_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
+                ("attention_output_norm", _PTR), ("mlp_output_norm", _PTR),
                 ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+                ("cos_table", _PTR), ("sin_table", _PTR), ("window", _I64),
                 ("k_cache", _PTR), ("v_cache", _PTR), ("k_scales", _PTR), ("v_scales", _PTR)]
 
 
 class _Model(ctypes.Structure):  # struct decode_model
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
-                ("intermediate", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _PTR),
-                ("cos_table", _PTR), ("sin_table", _PTR), ("layers", ctypes.POINTER(_Layer))]
+                ("intermediate", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", _I64),
+                ("final_norm", _PTR), ("layers", ctypes.POINTER(_Layer))]
 
 
 class _Batch(ctypes.Structure):  # struct decode_batch
@@ -425,8 +435,13 @@ class DecodeLayerWeights:
     o: KernelWeight  # [hidden, H_q * D]
     gate_up: KernelWeight  # [2 * intermediate, hidden]: gate rows, then up
     down: KernelWeight  # [hidden, intermediate]
-    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head norms
+    cos: torch.Tensor  # [max_len, D] float32: the layer's RoPE tables (model/rope.py)
+    signed_sin: torch.Tensor
+    window: int = 0  # sliding-window attention's positions, 0 for all
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's and Gemma's per-head norms
     k_norm: torch.Tensor | None = None
+    attention_output_norm: torch.Tensor | None = None  # [hidden], Gemma's sandwich norms
+    mlp_output_norm: torch.Tensor | None = None
 
 
 class DecodeLayers:
@@ -437,11 +452,11 @@ class DecodeLayers:
     the first call and again whenever a different list of caches is passed (the runner allocates
     its list once and never replaces tensors in it)."""
 
-    def __init__(self, layers: list[DecodeLayerWeights], final_norm: torch.Tensor, cos: torch.Tensor,
-                 signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float):
-        head_dim = cos.shape[1]
-        norms = [t for w in layers for t in (w.input_norm, w.post_attention_norm, w.q_norm, w.k_norm)
-                 if t is not None] + [final_norm, cos, signed_sin]
+    def __init__(self, layers: list[DecodeLayerWeights], final_norm: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, eps: float, scale: float, activation: str):
+        norms = [t for w in layers for t in (w.input_norm, w.post_attention_norm, w.q_norm, w.k_norm,
+                                             w.attention_output_norm, w.mlp_output_norm, w.cos, w.signed_sin)
+                 if t is not None] + [final_norm]
         weights = [kw for w in layers for kw in (w.qkv, w.o, w.gate_up, w.down)]
         if not all(t.is_contiguous() for t in norms + [kw._tensors[0] for kw in weights]):
             raise ValueError("the fused decode step needs contiguous weights")
@@ -452,11 +467,12 @@ class DecodeLayers:
         self._dtype = final_norm.dtype
         self._layers = (_Layer * len(layers))(*(
             _Layer(_ptr(w.input_norm), _ptr(w.post_attention_norm), _ptr(w.q_norm), _ptr(w.k_norm),
-                   w.qkv.struct, w.o.struct, w.gate_up.struct, w.down.struct)
+                   _ptr(w.attention_output_norm), _ptr(w.mlp_output_norm),
+                   w.qkv.struct, w.o.struct, w.gate_up.struct, w.down.struct, w.cos.data_ptr(), w.signed_sin.data_ptr(),
+                   w.window)
             for w in layers))
-        self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads,
-                             layers[0].down.cols, eps, head_dim ** -0.5, final_norm.data_ptr(),
-                             cos.data_ptr(), signed_sin.data_ptr(), self._layers)
+        self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads, layers[0].down.cols, eps,
+                             scale, _ACTIVATION_IDS[activation], final_norm.data_ptr(), self._layers)
         self._kv_caches: list[KVCacheLayer] | None = None
         self._kernel = None
 
@@ -531,10 +547,10 @@ class CBackend(KernelBackend):
             return x, residual
         return super().add_rms_norm(x, residual, weight, eps)
 
-    def silu_mul(self, gate_up):
+    def act_mul(self, gate_up, activation):
         if _on_cpu(gate_up) and not wants_grad(gate_up):
-            return silu_mul(gate_up)
-        return super().silu_mul(gate_up)
+            return act_mul(gate_up, activation)
+        return super().act_mul(gate_up, activation)
 
     def _attends(self, x: torch.Tensor, cache: KVCacheLayer) -> bool:
         return not wants_grad(x) and _serves("paged_attention.c", x, cache)
@@ -545,18 +561,18 @@ class CBackend(KernelBackend):
                                  meta.slot_offsets, num_heads, q_norm, k_norm, eps)
         return super().rope_write_kv(qkv, rope, cache, meta, num_heads, q_norm, k_norm, eps)
 
-    def decode_attention(self, q, cache, meta, scale, out):
+    def decode_attention(self, q, cache, meta, scale, out, window=0, positions=None):
         if self._attends(q, cache):
             decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out,
-                             meta.decode_ancestor_masks)
+                             meta.decode_ancestor_masks, window, positions)
         else:
-            super().decode_attention(q, cache, meta, scale, out)
+            super().decode_attention(q, cache, meta, scale, out, window, positions)
 
-    def span_attention(self, q, cache, span, scale, out):
+    def span_attention(self, q, cache, span, scale, out, window=0):
         if self._attends(q, cache):
-            prefill_attention(q, cache, span.block_table, span.first_position, scale, out)
+            prefill_attention(q, cache, span.block_table, span.first_position, scale, out, window)
         else:
-            super().span_attention(q, cache, span, scale, out)
+            super().span_attention(q, cache, span, scale, out, window)
 
     def fuses_decode(self, num_decodes, num_prefills, weight, cache):
         """Small pure-decode steps: at batch 1, Python's ~160 us per layer of dispatch was more
@@ -565,8 +581,8 @@ class CBackend(KernelBackend):
         return (self.fuse_decode and 0 < num_decodes <= SMALL_BATCH_ROWS and not num_prefills
                 and not wants_grad(weight) and _serves("decode_layers.c", weight, cache))
 
-    def decode_layers(self, layers, final_norm, cos, signed_sin, num_heads, num_kv_heads, eps):
-        return DecodeLayers(layers, final_norm, cos, signed_sin, num_heads, num_kv_heads, eps)
+    def decode_layers(self, layers, final_norm, num_heads, num_kv_heads, eps, scale, activation):
+        return DecodeLayers(layers, final_norm, num_heads, num_kv_heads, eps, scale, activation)
 
     def quant_linear(self, x, layer):
         if x.device.type == "cpu":

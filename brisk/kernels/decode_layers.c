@@ -10,12 +10,14 @@
  *     residual += x; x = rms_norm(residual)       (the first layer starts from residual = 0)
  *     qkv = x @ Wqkv^T (+ bias)                   weight stream
  *     q = rope(q); cache <- rope(k), v            attention.h
- *     a = attention(q, cache)                     attention.h
+ *     a = attention(q, cache)                     attention.h (within the layer's window, if any)
  *     x = a @ Wo^T                                weight stream
+ *     (x = rms_norm(x))                           Gemma's sandwich norm
  *     residual += x; x = rms_norm(residual)
  *     gu = x @ Wgate_up^T                         weight stream
- *     h = silu(gate) * up
+ *     h = act(gate) * up                          SiLU or GELU (tanh)
  *     x = h @ Wdown^T                             weight stream
+ *     (x = rms_norm(x))                           Gemma's sandwich norm
  *
  * and last the final norm. The operations are the same bodies the standalone kernels run, so
  * the fused step and the layer-by-layer path compute the same thing. Activations are float32
@@ -44,8 +46,11 @@ enum phase { PHASE_MATMUL, PHASE_ATTENTION, PHASE_OTHER };
 
 struct decode_layer {
     const void *input_norm, *post_attention_norm;
-    const void *q_norm, *k_norm; /* per-head norms (Qwen3), or NULL */
+    const void *q_norm, *k_norm; /* per-head norms (Qwen3, Gemma 3), or NULL */
+    const void *attention_output_norm, *mlp_output_norm; /* Gemma's sandwich norms, or NULL */
     struct weight qkv, o, gate_up, down;
+    const float *cos_table, *sin_table; /* [max_len, HEAD_DIM], see attention.h: the layer's RoPE */
+    int64_t window;                     /* sliding-window attention's positions, 0 for all */
     void *k_cache, *v_cache;   /* layouts in attention.h */
     float *k_scales, *v_scales; /* a scaled cache kind's per token-head scales, else NULL */
 };
@@ -53,8 +58,8 @@ struct decode_layer {
 struct decode_model {
     int64_t num_layers, hidden, num_heads, num_kv_heads, intermediate;
     float eps, scale;
+    int64_t activation; /* enum activation, layer_ops.h */
     const void *final_norm;
-    const float *cos_table, *sin_table; /* [max_len, HEAD_DIM], see attention.h */
     const struct decode_layer *layers;
 };
 
@@ -145,7 +150,7 @@ static int rounds_activations(const struct decode_model *model) {
                 LAP(PHASE_OTHER);                                                                         \
                 project_##WS(&layer->qkv, x, qkv, m, &a8);                                                 \
                 LAP(PHASE_MATMUL);                                                                        \
-                rope_tokens_##WS##_##CS(qkv, batch->positions, model->cos_table, model->sin_table, q,        \
+                rope_tokens_##WS##_##CS(qkv, batch->positions, layer->cos_table, layer->sin_table, q,        \
                                      layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales,    \
                                      batch->slot_blocks,                                                  \
                                      batch->slot_offsets,                                                 \
@@ -154,21 +159,26 @@ static int rounds_activations(const struct decode_model *model) {
                 LAP(PHASE_OTHER);                                                                         \
                 decode_attention_##WS##_##CS(q, layer->k_cache, layer->v_cache, layer->k_scales,   \
                                           layer->v_scales, batch->block_tables,                           \
-                                          batch->context_lens, batch->ancestor_masks, attended, m,        \
-                                          model->num_heads,                                               \
-                                          model->num_kv_heads, batch->max_blocks, model->scale, parts,    \
-                                          scratch);                                                       \
+                                          batch->context_lens, batch->ancestor_masks, batch->positions,  \
+                                          attended, m, model->num_heads, model->num_kv_heads,             \
+                                          batch->max_blocks, layer->window, model->scale, parts, scratch); \
                 LAP(PHASE_ATTENTION);                                                                     \
                 project_##WS(&layer->o, attended, x, m, &a8);                                              \
                 LAP(PHASE_MATMUL);                                                                        \
+                if (layer->attention_output_norm)                                                         \
+                    rms_norm_rows_##WS(x, layer->attention_output_norm, x, m, hidden, eps);              \
                 add_rms_norm_rows_##WS(x, residual, layer->post_attention_norm, m, hidden, eps);      \
                 LAP(PHASE_OTHER);                                                                         \
                 project_##WS(&layer->gate_up, x, gate_up, m, &a8);                                         \
                 LAP(PHASE_MATMUL);                                                                        \
-                silu_mul_rows_##WS(gate_up, act, m, inter);                                           \
+                act_mul_rows_##WS(gate_up, act, m, inter, model->activation);                          \
                 LAP(PHASE_OTHER);                                                                         \
                 project_##WS(&layer->down, act, x, m, &a8);                                                \
                 LAP(PHASE_MATMUL);                                                                        \
+                if (layer->mlp_output_norm) {                                                             \
+                    rms_norm_rows_##WS(x, layer->mlp_output_norm, x, m, hidden, eps);                    \
+                    LAP(PHASE_OTHER);                                                                     \
+                }                                                                                         \
             }                                                                                             \
             add_rms_norm_rows_##WS(x, residual, model->final_norm, m, hidden, eps);                   \
             LAP(PHASE_OTHER);                                                                             \

@@ -56,10 +56,10 @@ class TritonBackend(KernelBackend):
             return x, residual
         return super().add_rms_norm(x, residual, weight, eps)
 
-    def silu_mul(self, gate_up):
+    def act_mul(self, gate_up, activation):
         if self._serves(gate_up):
-            return self._layer_ops.silu_mul(gate_up)
-        return super().silu_mul(gate_up)
+            return self._layer_ops.act_mul(gate_up, activation)
+        return super().act_mul(gate_up, activation)
 
     def rope_write_kv(self, qkv, rope, cache, meta, num_heads, q_norm, k_norm, eps):
         if self._attends(qkv, cache):
@@ -67,21 +67,21 @@ class TritonBackend(KernelBackend):
                                                  meta.slot_blocks, meta.slot_offsets, num_heads, q_norm, k_norm, eps)
         return super().rope_write_kv(qkv, rope, cache, meta, num_heads, q_norm, k_norm, eps)
 
-    def decode_attention(self, q, cache, meta, scale, out):
+    def decode_attention(self, q, cache, meta, scale, out, window=0, positions=None):
         if self._attends(q, cache):
             self._attention.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens, scale, out,
-                                             meta.decode_ancestor_masks)
+                                             meta.decode_ancestor_masks, window, positions)
         else:
-            super().decode_attention(q, cache, meta, scale, out)
+            super().decode_attention(q, cache, meta, scale, out, window, positions)
 
-    def prefill_attention(self, q, cache, meta, scale, out):
+    def prefill_attention(self, q, cache, meta, scale, out, window=0):
         """Every prefill chunk of the step in one launch."""
         if self._attends(q, cache):
             batch = meta.prefill_batch()
             self._attention.prefill_attention(q, cache, batch.starts, batch.lengths, batch.context_lens,
-                                              batch.block_tables, batch.max_length, scale, out)
+                                              batch.block_tables, batch.max_length, scale, out, window)
         else:
-            super().prefill_attention(q, cache, meta, scale, out)
+            super().prefill_attention(q, cache, meta, scale, out, window)
 
     def quant_linear(self, x, layer):
         if self._serves(x) and layer.format in self._quant.FORMATS:

@@ -16,9 +16,9 @@
         _Pragma("omp parallel if(rows * dim >= PARALLEL_MIN_ELEMENTS)")                                   \
         add_rms_norm_rows_##SUFFIX(x, residual, weight, rows, dim, eps);                                  \
     }                                                                                                     \
-    void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inter) {                       \
+    void act_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inter, int64_t activation) {    \
         _Pragma("omp parallel if(rows * inter >= PARALLEL_MIN_ELEMENTS)")                                 \
-        silu_mul_rows_##SUFFIX(gate_up, out, rows, inter);                                                \
+        act_mul_rows_##SUFFIX(gate_up, out, rows, inter, activation);                                     \
     }
 
 DEFINE_LAYER_OP_KERNELS(f32, float, load_f32, store_f32)

@@ -14,7 +14,8 @@
  * Prefill attention for one sequence's chunk of new tokens, over its paged context.
  *
  * Query i of the chunk sits at absolute position start + i and attends keys 0..start + i, so
- * one kernel serves a fresh prompt (start = 0) and a chunk continuing a cached prefix. Each task
+ * one kernel serves a fresh prompt (start = 0) and a chunk continuing a cached prefix; in a
+ * sliding-window layer (window > 0) only its last `window` of them, start + i - window + 1 on. Each task
  * is (query head, tile of QT queries); it walks the key blocks with an online softmax
  * (flash-attention style), so no [queries x keys] matrix or mask is ever built:
  *
@@ -34,7 +35,7 @@
                                           const float *restrict v_scales,                                 \
                                           const int64_t *restrict block_table, XT *restrict out,          \
                                           int64_t num_queries, int64_t start, int64_t num_heads,          \
-                                          int64_t num_kv_heads, float scale) {                            \
+                                          int64_t num_kv_heads, int64_t window, float scale) {            \
         const int64_t group = num_heads / num_kv_heads;                                                   \
         const int64_t block_elems = BLOCK_SIZE * HEAD_DIM;                                                \
         const int64_t num_tiles = (num_queries + QT - 1) / QT;                                            \
@@ -54,7 +55,9 @@
                     for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
                         query[r][d] = LOAD_X(q[((first + r) * num_heads + head) * HEAD_DIM + d]) * scale;    \
                 const int64_t last_key = start + first + rows - 1; /* the tile's last row sees this far */ \
-                for (int64_t b = 0; b <= last_key / BLOCK_SIZE; b++) {                                    \
+                /* and its first row back to here (its window's first key, or the context's) */          \
+                const int64_t first_key = window > 0 && start + first >= window ? start + first - window + 1 : 0; \
+                for (int64_t b = first_key / BLOCK_SIZE; b <= last_key / BLOCK_SIZE; b++) {               \
                     const int64_t head_block = block_table[b] * num_kv_heads + kv_head;                   \
                     const CT *keys = k_cache + head_block * block_elems;                                  \
                     const CT *values = v_cache + head_block * block_elems;                                \
@@ -77,14 +80,16 @@
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         const int64_t visible = start + first + r - b * BLOCK_SIZE + 1;                   \
                         const int64_t n = visible < BLOCK_SIZE ? visible : BLOCK_SIZE;                    \
-                        if (n <= 0) continue;                                                             \
+                        /* keys [from, n) of the block are the row's: after its window's start */       \
+                        const int64_t from = window > 0 && visible > window ? visible - window : 0;       \
+                        if (n <= from) continue;                                                          \
                         float top = m[r], sum = 0.0f;                                                     \
-                        for (int64_t t = 0; t < n; t++) top = s[r][t] > top ? s[r][t] : top;              \
+                        for (int64_t t = from; t < n; t++) top = s[r][t] > top ? s[r][t] : top;           \
                         const float correction = expf(m[r] - top);                                        \
                         float p[BLOCK_SIZE];                                                              \
                         _Pragma("omp simd reduction(+:sum)")                                              \
                         for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                        \
-                            p[t] = t < n ? expf(s[r][t] - top) : 0.0f;                                    \
+                            p[t] = t >= from && t < n ? expf(s[r][t] - top) : 0.0f;                       \
                             sum += p[t];                                                                  \
                         }                                                                                 \
                         m[r] = top;                                                                       \
@@ -92,7 +97,7 @@
                         float a[HEAD_DIM];                                                                \
                         _Pragma("omp simd")                                                               \
                         for (int64_t d = 0; d < HEAD_DIM; d++) a[d] = acc[r][d] * correction;             \
-                        for (int64_t t = 0; t < n; t++) {                                                 \
+                        for (int64_t t = from; t < n; t++) {                                              \
                             const CT *vt = values + t * HEAD_DIM;                                         \
                             const float pt = SCALED ? p[t] * vs[t] : p[t];                                \
                             _Pragma("omp simd")                                                           \
@@ -118,9 +123,10 @@
     int paged_decode_attention_##XS##_##CS(const XT *q, const CT *k_cache, const CT *v_cache,             \
                                            const float *k_scales, const float *v_scales,                  \
                                            const int64_t *block_tables, const int64_t *context_lens,      \
-                                           const int64_t *ancestor_masks, XT *out, int64_t num_seqs,      \
-                                           int64_t num_heads,                                             \
-                                           int64_t num_kv_heads, int64_t max_blocks, float scale) {       \
+                                           const int64_t *ancestor_masks, const int64_t *positions,       \
+                                           XT *out, int64_t num_seqs, int64_t num_heads,                  \
+                                           int64_t num_kv_heads, int64_t max_blocks, int64_t window,      \
+                                           float scale) {                                                 \
         const int64_t threads = omp_get_max_threads();                                                    \
         const int64_t parts = decode_attention_parts(num_seqs, num_kv_heads, max_blocks, threads);        \
         float *scratch = scratch_floats(decode_attention_scratch(num_seqs, num_heads, num_kv_heads, max_blocks, \
@@ -128,8 +134,8 @@
         if (scratch == NULL) return KERNEL_OUT_OF_MEMORY;                                                 \
         _Pragma("omp parallel")                                                                           \
         decode_attention_##XS##_##CS(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, \
-                                     ancestor_masks, out, num_seqs, num_heads, num_kv_heads, max_blocks,  \
-                                     scale, parts, scratch);                                              \
+                                     ancestor_masks, positions, out, num_seqs, num_heads, num_kv_heads,   \
+                                     max_blocks, window, scale, parts, scratch);                          \
         free(scratch);                                                                                    \
         return KERNEL_OK;                                                                                 \
     }                                                                                                     \

@@ -15,7 +15,8 @@ only on the batch size and the widest block table, so a CUDA graph captured for 
 replays with the grid it was captured with, whatever the contexts' lengths are then.
 
 Prefill: grid (spans, query heads, query tiles). A tile of a chunk's queries scans the blocks up
-to its last query's position, causal by absolute position, so a chunk that continues a cached
+to its last query's position (from its first query's window start, in a sliding-window layer),
+causal by absolute position, so a chunk that continues a cached
 context (chunked prefill, a prefix-cache hit) reads the cached blocks and its own alike.
 
 Softmax runs online in float32 (the running max and sum of FlashAttention), with the scale
@@ -34,8 +35,8 @@ _MAX_SPLITS = 16
 
 
 @triton.jit(do_not_specialize=["stride_tn"])  # tables' width changes step to step: no recompiles
-def _decode_split_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, CONTEXT_LENS, ANCESTORS, OUT, PARTIAL_ACC,
-                         PARTIAL_STATS, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_tn,
+def _decode_split_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, CONTEXT_LENS, ANCESTORS, POSITIONS, OUT, PARTIAL_ACC,
+                         PARTIAL_STATS, scale, window, stride_qn, stride_qh, stride_on, stride_oh, stride_tn,
                          stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vt, stride_sb, stride_sh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          SPLITS: tl.constexpr, SCALED: tl.constexpr, HAS_ANCESTORS: tl.constexpr):
@@ -43,9 +44,12 @@ def _decode_split_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, CONTEXT_LENS, ANCE
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(CONTEXT_LENS + n).to(tl.int32)
+    first_seen = 0  # the first key the row sees: its window's (a tree row sits below its slot), or the context's
+    if window > 0:
+        first_seen = tl.maximum(tl.load(POSITIONS + n).to(tl.int32) - window + 1, 0)
     num_blocks = tl.cdiv(context_len, BS)
-    per_split = tl.cdiv(num_blocks, SPLITS)
-    first_block = split * per_split
+    per_split = tl.cdiv(num_blocks - first_seen // BS, SPLITS)
+    first_block = first_seen // BS + split * per_split
     end_block = tl.minimum(first_block + per_split, num_blocks)
 
     g = tl.arange(0, G_PAD)
@@ -67,7 +71,7 @@ def _decode_split_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, CONTEXT_LENS, ANCE
         if SCALED:
             scores *= tl.load(K_SCALES + block * stride_sb + kv_head * stride_sh + t)[None, :]
         position = b * BS + t
-        seen = position < context_len
+        seen = (position < context_len) & (position >= first_seen)
         if HAS_ANCESTORS:  # a draft tree's row sees, among the 63 keys before its own, only its ancestors
             back = context_len - 1 - position
             bit = (ancestors >> tl.minimum(tl.maximum(back, 0), 63).to(tl.int64)) & 1
@@ -114,7 +118,7 @@ def _decode_merge_kernel(PARTIAL_ACC, PARTIAL_STATS, OUT, stride_on, stride_oh, 
 
 
 @triton.jit(do_not_specialize=["stride_tn"])
-def _prefill_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, STARTS, LENGTHS, CONTEXT_LENS, OUT, scale,
+def _prefill_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, STARTS, LENGTHS, CONTEXT_LENS, OUT, scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tn,
                     stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vt, stride_sb, stride_sh,
                     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
@@ -135,11 +139,14 @@ def _prefill_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, STARTS, LENGTHS, CONTEX
                     mask=rows[:, None] < length, other=0.0)
         query_position = first_position + rows
         end = tl.minimum(context_len, first_position + (tile + 1) * BM)  # keys this tile's last query sees
+        begin = 0  # and the first key its first query sees: its window's, or the context's
+        if window > 0:
+            begin = tl.maximum(first_position + tile * BM - window + 1, 0)
 
         running_max = tl.full([BM], float("-inf"), tl.float32)
         running_sum = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        for b in range(0, tl.cdiv(end, BS)):
+        for b in range(begin // BS, tl.cdiv(end, BS)):
             block = tl.load(TABLES + span * stride_tn + b).to(tl.int64)
             k = tl.load(K + block * stride_kb + kv_head * stride_kh + d[:, None] * stride_kd + t[None, :])
             if IEEE:
@@ -150,10 +157,14 @@ def _prefill_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, STARTS, LENGTHS, CONTEX
             if SCALED:
                 scores *= tl.load(K_SCALES + block * stride_sb + kv_head * stride_sh + t)[None, :]
             key_position = b * BS + t
-            scores = tl.where(key_position[None, :] <= query_position[:, None], scores, float("-inf"))
+            seen = key_position[None, :] <= query_position[:, None]
+            if window > 0:
+                seen = seen & (key_position[None, :] > query_position[:, None] - window)
+            scores = tl.where(seen, scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, 1))
-            correction = tl.exp(running_max - new_max)  # every row sees key 0: new_max is finite
-            p = tl.exp(scores - new_max[:, None])
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row whose window starts later: no NaN
+            correction = tl.exp(running_max - safe_max)
+            p = tl.exp(scores - safe_max[:, None])
             running_sum = running_sum * correction + tl.sum(p, 1)
             if SCALED:
                 p *= tl.load(V_SCALES + block * stride_sb + kv_head * stride_sh + t)[None, :]
@@ -163,7 +174,8 @@ def _prefill_kernel(Q, K, V, K_SCALES, V_SCALES, TABLES, STARTS, LENGTHS, CONTEX
             else:
                 acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             running_max = new_max
-        out = acc / running_sum[:, None]
+        # a real row's sum is at least its own key's 1; a padding row past the chunk may see nothing
+        out = acc / tl.maximum(running_sum, 1e-30)[:, None]
         tl.store(OUT + (start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=rows[:, None] < length)
 
@@ -187,9 +199,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float, out: torch.Tensor, ancestor_masks: torch.Tensor | None = None) -> None:
+                     scale: float, out: torch.Tensor, ancestor_masks: torch.Tensor | None = None, window: int = 0,
+                     positions: torch.Tensor | None = None) -> None:
     """q [n, H_q, D], one query per sequence, over its blocks -> out [n, H_q, D] (kernels/attention.py's
-    decode rows: block_tables [n, max_blocks], context_lens [n], ancestor_masks [n] or None)."""
+    decode rows: block_tables [n, max_blocks], context_lens [n], ancestor_masks [n] or None; window > 0:
+    each row sees its last `window` positions, positions [n] placing it)."""
     n, h_q, d = q.shape
     h_kv = cache.v.shape[1]
     group = h_q // h_kv
@@ -201,7 +215,8 @@ def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.T
     k_scales, v_scales = (cache.k_scales, cache.v_scales) if cache.scaled else (cache.k, cache.v)
     _decode_split_kernel[(n, h_kv, splits)](
         q, cache.k, cache.v, k_scales, v_scales, block_tables, context_lens,
-        ancestor_masks if ancestor_masks is not None else context_lens, out, partial_acc, partial_stats, scale,
+        ancestor_masks if ancestor_masks is not None else context_lens,
+        positions if window else context_lens, out, partial_acc, partial_stats, scale, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), cache.v.stride(0), cache.v.stride(1),
         cache.v.stride(2), k_scales.stride(0), k_scales.stride(1),
@@ -214,16 +229,17 @@ def decode_attention(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.T
 
 def prefill_attention(q: torch.Tensor, cache: KVCacheLayer, starts: torch.Tensor, lengths: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, max_length: int, scale: float,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, window: int = 0) -> None:
     """Every prefill span of a step in one launch: span i's queries are rows starts[i] ..
     starts[i] + lengths[i] of q [T, H_q, D], the last of its context_lens[i] tokens, whose blocks
-    are block_tables[i]; their attention goes to the same rows of out."""
+    are block_tables[i]; their attention goes to the same rows of out. window > 0: each query sees
+    its last `window` positions only."""
     h_q, d = q.shape[1], q.shape[2]
     group = h_q // cache.v.shape[1]
     tile = 16 if max_length <= 16 else 64
     k_scales, v_scales = (cache.k_scales, cache.v_scales) if cache.scaled else (cache.k, cache.v)
     _prefill_kernel[(starts.shape[0], h_q, triton.cdiv(max_length, tile))](
-        q, cache.k, cache.v, k_scales, v_scales, block_tables, starts, lengths, context_lens, out, scale,
+        q, cache.k, cache.v, k_scales, v_scales, block_tables, starts, lengths, context_lens, out, scale, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), cache.v.stride(0), cache.v.stride(1),
         cache.v.stride(2), k_scales.stride(0), k_scales.stride(1),

@@ -34,13 +34,18 @@ def _rms_norm_kernel(X, RESIDUAL, WEIGHT, OUT, stride_x, stride_r, stride_o, n, 
 
 
 @triton.jit
-def _silu_mul_kernel(GATE_UP, OUT, stride_g, stride_o, n, BLOCK: tl.constexpr):
+def _act_mul_kernel(GATE_UP, OUT, stride_g, stride_o, n, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < n
     gate = tl.load(GATE_UP + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
     up = tl.load(GATE_UP + row * stride_g + n + cols, mask=valid, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_o + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(OUT.dtype.element_ty), mask=valid)
+    if GELU_TANH:  # gelu_tanh(a) = a * sigmoid(2 sqrt(2/pi) (a + 0.044715 a^3)), as layer_ops.h
+        exponent = -1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+    else:
+        exponent = -gate
+    act = gate / (1.0 + tl.exp(tl.minimum(exponent, 80.0)))
+    tl.store(OUT + row * stride_o + cols, (act * up).to(OUT.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -107,13 +112,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                                     x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]), ADD=True)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> act(gate) * up [T, I]; activation "silu" or "gelu_tanh"."""
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(width))
-    _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0), width,
-                                                        BLOCK=block)
+    _act_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0), width,
+                                                       BLOCK=block, GELU_TANH=activation == "gelu_tanh")
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks
-from brisk.model.hparams import HParams, gguf_architecture
+from brisk.model.hparams import GEMMA3_LOCAL_ROPE_THETA, HParams, gemma3_layer_windows, gguf_architecture
 from brisk.model.gguf_tokenizer import gguf_tokenizer
 from brisk.model.tokenizer import Tokenizer
 
@@ -132,15 +132,24 @@ class GGUFCheckpoint:
         a = self.arch
         num_heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
+        layers = self._field(f"{a}.block_count")
+        head_dim = self._field(f"{a}.attention.key_length", hidden // num_heads)
+        window = self._field(f"{a}.attention.sliding_window", 0)
+        windows, local_theta, query_scalar = (window,) * layers if window else (), None, None
+        if a == "gemma3":  # the file gives the window and the global base only (llama.cpp's gemma3 defaults)
+            windows = gemma3_layer_windows(layers, window)
+            local_theta = float(self._field(f"{a}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)) if window else None
+            # llama.cpp scales queries by head_dim^-1/2, except in the 27B (62 layers): hidden / heads
+            query_scalar = hidden // num_heads if layers == 62 else head_dim
         return HParams(
             architecture=self.architecture.family,
             vocab_size=self._field(f"{a}.vocab_size") or len(self._field("tokenizer.ggml.tokens")),
             hidden_size=hidden,
             intermediate_size=self._field(f"{a}.feed_forward_length"),
-            num_layers=self._field(f"{a}.block_count"),
+            num_layers=layers,
             num_heads=num_heads,
             num_kv_heads=self._field(f"{a}.attention.head_count_kv", num_heads),
-            head_dim=self._field(f"{a}.attention.key_length", hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
             max_position_embeddings=self._field(f"{a}.context_length", 2048),
@@ -149,6 +158,9 @@ class GGUFCheckpoint:
             qk_norm=self.architecture.qk_norm,
             rope_scaling=self._rope_scaling(),
             name=self._field("general.name", ""),
+            layer_windows=windows,
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=query_scalar,
         )
 
     def _rope_scaling(self):
@@ -165,8 +177,9 @@ class GGUFCheckpoint:
         Q4_0 or Q4_1 come as QuantizedTensors of the file's own values instead (nothing rounded;
         see from_gguf_blocks)."""
         spec = self.hparams()
+        renames = dict(self.architecture.gguf_layer_names)
         for name, tensor in self.tensors.items():
-            hf_name = _hf_name(name)
+            hf_name = _hf_name(name, renames)
             kind = tensor.kind.name.lower()
             if keep_blocks and kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
                 raw = torch.from_numpy(np.array(tensor.data)).view(tensor.shape[0], -1)
@@ -182,11 +195,12 @@ class GGUFCheckpoint:
         return gguf_tokenizer(self.file.fields)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, renames: dict[str, str]) -> str:
+    """renames: the family's own meanings of layer tensor names (Architecture.gguf_layer_names)."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, kind = stem.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+        return f"model.layers.{layer}.{renames.get(kind) or _LAYER_TENSORS[kind]}.{suffix}"
     return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
 
 

@@ -1,4 +1,9 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over one flat token batch.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3) over one flat token batch.
+
+Gemma 3 is Llama with a few switches, each an HParams/Architecture field read here once: GELU
+instead of SiLU in the gated MLP, norms on the attention's and the MLP's outputs (sandwich
+norms), embeddings scaled by sqrt(hidden), a query scale of its own, and sliding-window layers
+with their own RoPE base.
 
 Differences from transformers' modules, all for speed: q/k/v and gate/up are fused into one
 matmul each, RoPE tables are shared by every layer, attention reads K/V through block tables
@@ -48,12 +53,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: HParams, kernels: KernelBackend):
+    """window: positions each query sees (its own included), 0 for all of them."""
+
+    def __init__(self, spec: HParams, kernels: KernelBackend, window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.attention_scale
+        self.window = window
         self.kernels = kernels
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.attention_bias, kernels)
         self.o_proj = Linear(self.q_size, spec.hidden_size, False, kernels)
@@ -64,7 +72,7 @@ class Attention(nn.Module):
         """x [T, hidden] -> [T, hidden]; this step's rotated K and V go into the cache first."""
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = self.kernels.rope_write_kv(self.qkv_proj(x), rope, kv_cache, meta, self.num_heads, *norms)
-        out = self.kernels.paged_attention(q, kv_cache, meta, self.scale)
+        out = self.kernels.paged_attention(q, kv_cache, meta, self.scale, self.window, rope.positions)
         return self.o_proj(out.view(x.shape[0], self.q_size))
 
 
@@ -74,18 +82,27 @@ class MLP(nn.Module):
         self.kernels = kernels
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, False, kernels)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, False, kernels)
+        self.activation = spec.family.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.act_mul(self.gate_up_proj(x), self.activation))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: HParams, kernels: KernelBackend):
+    """Llama's layer; with sandwich norms (Gemma) the attention's and the MLP's outputs are
+    normalized before they join the residual stream. `post_attention_layernorm` is the norm
+    before the MLP in every family (Gemma's checkpoints call it pre_feedforward_layernorm)."""
+
+    def __init__(self, spec: HParams, kernels: KernelBackend, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.self_attn = Attention(spec, kernels)
+        self.self_attn = Attention(spec, kernels, spec.window(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.mlp = MLP(spec, kernels)
+        sandwich = spec.family.sandwich_norms
+        self.attention_output_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if sandwich else None
+        self.mlp_output_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if sandwich else None
+        self.local_rope = spec.local_rope_theta is not None and spec.window(index) > 0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 kv_cache: KVCacheLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +113,18 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta)
+        if self.attention_output_norm is not None:
+            x = self.attention_output_norm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.mlp_output_norm is not None:
+            x = self.mlp_output_norm(x)
+        return x, residual
+
+
+def is_norm(hf_name: str) -> bool:
+    """Whether a checkpoint tensor is a norm's weight (every family names them ...norm.weight)."""
+    return hf_name.endswith("norm.weight")
 
 
 # HF checkpoint names that land in a slice of one of our fused parameters: (fused name, shard index).
@@ -120,11 +147,25 @@ class LlamaForCausalLM(nn.Module):
         # random init, imports sympy on the meta device: see model/loader.py's load_model).
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
                                          _weight=torch.empty(spec.vocab_size, spec.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
+        # Gemma scales embeddings in the model's dtype, as transformers does (sqrt(640) is 25.25 in bf16)
+        self.embed_scale = spec.hidden_size ** 0.5 if spec.family.scaled_embeddings else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, kernels, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, False, kernels)
         self.rotary = RotaryEmbedding(spec, max_len)
+        self.local_rotary = RotaryEmbedding(spec, max_len, local=True) if spec.local_rope_theta is not None else None
         self._decode_layers = None  # the fused decode step, built on first use
+
+    def build_rope(self, device: torch.device) -> None:
+        """The RoPE tables, once the module is off the meta device (model/rope.py)."""
+        for rotary in (self.rotary, self.local_rotary):
+            if rotary is not None:
+                rotary.build(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]: the first layer's input."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def use_kernels(self, kernels: KernelBackend) -> None:
         """Runs the model in another backend from now on (tests compare backends on one model)."""
@@ -139,15 +180,16 @@ class LlamaForCausalLM(nn.Module):
         Small pure-decode steps run every layer in one call where the backend fuses them (the
         C kernels: kernels/decode_layers.c); at batch 1, Python's dispatch per layer was more
         than the layer's own work outside the matmuls."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         if self.kernels.fuses_decode(meta.num_decodes, len(meta.prefills), self.norm.weight, kv_caches[0]):
             hidden = self._fused_decode()(x.float(), positions, meta.slot_blocks, meta.slot_offsets,
                                           meta.decode_block_tables, meta.decode_context_lens, kv_caches,
                                           meta.decode_ancestor_masks)
             return hidden.to(x.dtype)
         rope = self.rotary.at(positions)
+        local_rope = self.local_rotary.at(positions) if self.local_rotary is not None else rope
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer(x, residual, local_rope if layer.local_rope else rope, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def _apply(self, fn, *args, **kwargs):
@@ -161,16 +203,19 @@ class LlamaForCausalLM(nn.Module):
         once the weights are loaded and the RoPE tables built."""
         if self._decode_layers is None:
             layers = []
+            weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
+                rotary = self.local_rotary if layer.local_rope else self.rotary
                 layers.append(cpu_kernels.DecodeLayerWeights(
                     layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                     attn.qkv_proj.kernel_weight(), attn.o_proj.kernel_weight(), mlp.gate_up_proj.kernel_weight(),
-                    mlp.down_proj.kernel_weight(),
-                    *((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else ())))
+                    mlp.down_proj.kernel_weight(), rotary.cos, rotary.signed_sin, attn.window,
+                    weight(attn.q_norm), weight(attn.k_norm), weight(layer.attention_output_norm),
+                    weight(layer.mlp_output_norm)))
             self._decode_layers = self.kernels.decode_layers(
-                layers, self.norm.weight, self.rotary.cos, self.rotary.signed_sin, self.hparams.num_heads,
-                self.hparams.num_kv_heads, self.hparams.rms_norm_eps)
+                layers, self.norm.weight, self.hparams.num_heads, self.hparams.num_kv_heads, self.hparams.rms_norm_eps,
+                self.hparams.attention_scale, self.hparams.family.hidden_act)
         return self._decode_layers
 
     @property
@@ -217,19 +262,22 @@ class LlamaForCausalLM(nn.Module):
             install_quantized(self, target, [t for _, t in sorted(shards, key=lambda s: s[0])])
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """Our weights under their Hugging Face names, fused ones split back into their shards:
-        what load_weights reads, so a model written out this way loads back as it is."""
+        """Our weights under their Hugging Face names and values (a Gemma norm's 1 + w back to w,
+        see Architecture.hf_norm_offset), fused ones split back into their shards: what an HF
+        folder holds, so a model written out this way loads back as it is."""
         tensors: list[tuple[str, torch.Tensor | QuantizedTensor]] = list(self.named_parameters())
         for name, module in self.named_modules():
             if isinstance(module, QuantizedWeight):
                 tensors.append((f"{name}.weight", module.qweight))
                 if module.bias is not None:
                     tensors.append((f"{name}.bias", module.bias))
+        renames = {ours: theirs for theirs, ours in self.hparams.family.hf_module_names}
         for name, tensor in tensors:
+            name = ".".join(renames.get(part, part) for part in name.split("."))
             hf_name = name if name.startswith("lm_head.") else f"model.{name}"
             fused = next((part for part in name.split(".") if part in _SHARDS_OF), None)
             if fused is None:
-                yield hf_name, tensor
+                yield hf_name, tensor - self.hparams.family.hf_norm_offset if is_norm(hf_name) else tensor
                 continue
             for shard, part in enumerate(_SHARDS_OF[fused]):
                 start, count = self._shard_rows(fused, shard)
@@ -244,13 +292,14 @@ class LlamaForCausalLM(nn.Module):
         name = hf_name.removeprefix("model.")
         if name == "lm_head.weight" and self.lm_head is None:
             return None, None  # tied: some checkpoints store the copy anyway
-        parts = name.split(".")
+        renames = dict(self.hparams.family.hf_module_names)
+        parts = [renames.get(part, part) for part in name.split(".")]
         for i, part in enumerate(parts):
             if part in _FUSED_SHARDS:
                 fused, shard = _FUSED_SHARDS[part]
                 parts[i] = fused
                 return ".".join(parts), self._shard_rows(fused, shard)
-        return name, None
+        return ".".join(parts), None
 
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
         s = self.hparams

@@ -23,7 +23,7 @@ from brisk.kernels.backend import KernelBackend, choose_backend, fast_dtype
 from brisk.kernels.memory import move_to_huge_pages
 from brisk.kernels.packed import GGUF_BLOCK_BYTES, GROUPED_FORMATS, QuantizedTensor
 from brisk.model.gguf_file import GGUFCheckpoint
-from brisk.model.llama import LlamaForCausalLM
+from brisk.model.llama import LlamaForCausalLM, is_norm
 from brisk.model.hparams import HParams
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.checkpoint import QuantizedLayout, load_weights
@@ -190,7 +190,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
         model = LlamaForCausalLM(checkpoint.hparams, max_len, kernels or choose_backend(device))
     model._apply(lambda meta: torch.empty(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype,
                                           device=device))
-    model.rotary.build(device)
+    model.build_rope(device)
     with torch.no_grad():
         model.load_weights(checkpoint.weights(dtype, device, quantization == "gguf"))
         if quantization not in (None, "gguf") and checkpoint.layout is None:
@@ -209,9 +209,13 @@ def _open_hf_folder(folder: str) -> Checkpoint:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
 
+    offset = spec.family.hf_norm_offset
+
     def weights(dtype: torch.dtype, device: torch.device, keep_blocks: bool = False
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        return load_weights(files, dtype, device)
+        """brisk keeps a Gemma norm's 1 + w, as GGUF files do (Architecture.hf_norm_offset)."""
+        for name, tensor in load_weights(files, dtype, device):
+            yield name, tensor + offset if offset and is_norm(name) else tensor
 
     layout = QuantizedLayout.of(config)
     return Checkpoint(folder, "hf", spec, _hf_tokenizer(folder, config), weights, layout=layout,

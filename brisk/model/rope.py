@@ -15,10 +15,13 @@ from torch import nn
 from brisk.model.hparams import HParams
 
 
-def rope_inverse_frequencies(spec: HParams) -> torch.Tensor:
+def rope_inverse_frequencies(spec: HParams, local: bool = False) -> torch.Tensor:
+    """local: the sliding-window layers' frequencies where they have their own base (Gemma 3:
+    spec.local_rope_theta, never scaled; the scaling stretches the global layers' long range)."""
     dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = spec.rope_scaling_dict
+    theta = spec.local_rope_theta if local else spec.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = None if local else spec.rope_scaling_dict
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -42,16 +45,17 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_len, indexed by each token's position."""
+    """cos/sin tables for every position up to max_len, indexed by each token's position.
+    local: the sliding-window layers' tables (rope_inverse_frequencies)."""
 
-    def __init__(self, spec: HParams, max_len: int):
+    def __init__(self, spec: HParams, max_len: int, local: bool = False):
         super().__init__()
-        self.hparams, self.max_len = spec, max_len
+        self.hparams, self.max_len, self.local = spec, max_len, local
         self.cos = self.signed_sin = None
 
     def build(self, device: torch.device) -> None:
         """Computes the fp32 tables; separate from __init__ so modules built on `meta` get real ones."""
-        inv_freq = rope_inverse_frequencies(self.hparams)
+        inv_freq = rope_inverse_frequencies(self.hparams, self.local)
         freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float64), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         half = self.hparams.head_dim // 2

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.attention import AttentionMetadata, PrefillSpan
-from brisk.kernels.backend import KernelBackend
+from brisk.kernels.backend import ACTIVATIONS, KernelBackend
 from brisk.model.rope import Rope
 from brisk.kernels.kv_cache import KVCacheLayer
 from tests.helpers import require_c_compiler
@@ -140,6 +140,72 @@ def test_a_tree_row_whose_hidden_keys_fill_a_whole_part(threads, num_threads):
         assert torch.allclose(ours[0, h], weights @ values[seen, h // 2], atol=2e-6), h
 
 
+def _dense_attention(q, keys, values, seen: list[int], scale: float) -> torch.Tensor:
+    """One query's heads [H, D] attending to exactly the slots `seen` of dense keys/values [slots, H_kv, D]."""
+    heads, kv_heads = q.shape[0], keys.shape[1]
+    out = torch.empty_like(q)
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        out[h] = torch.softmax(keys[seen, kv] @ q[h] * scale, dim=0) @ values[seen, kv]
+    return out
+
+
+def _identity_cache(kv_heads, block_size, dim, num_blocks):
+    """A float32 cache whose block table is the identity, and the dense K/V it holds, slot by slot."""
+    cache = _cache("float32", num_blocks, kv_heads, block_size, dim)
+    g = torch.Generator().manual_seed(0)  # the K/V _cache wrote
+    keys = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    return cache, keys, torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+
+
+@pytest.mark.parametrize("backend", [C, TORCH], ids=["c", "torch"])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("window", [1, 5, 8, 9, 40, 500])
+def test_windowed_decode_rows_see_their_last_window_positions(threads, backend, num_threads, window):
+    """Sliding-window layers: plain rows of several lengths (the window starting mid-block, on a
+    block edge, before the context) and tree rows, whose positions sit below their slots, each
+    equal to dense attention over the positions p - window + 1 .. p it sees."""
+    threads(num_threads)
+    heads, kv_heads, block_size, dim, num_blocks = 4, 2, 8, 16, 10
+    cache, keys, values = _identity_cache(kv_heads, block_size, dim, num_blocks)
+    rows = [(slot, slot, list(range(slot + 1))) for slot in (0, 7, 8, 30, 63, 79)]  # (slot, position, slots seen)
+    # a tree after a 50-token context: root at slot 50 (position 50), node 0 (slot 51, position 51, parent root)
+    # and node 1 (slot 52, position 51, parent root: its sibling's slot is hidden)
+    rows += [(51, 51, list(range(52))), (52, 51, list(range(51)) + [52])]
+    masks = [-1] * 6 + [_ancestor_mask(51, list(range(52))), _ancestor_mask(52, list(range(51)) + [52])]
+    meta = AttentionMetadata(None, None, num_decodes=len(rows),
+                             decode_block_tables=torch.arange(num_blocks).repeat(len(rows), 1),
+                             decode_context_lens=torch.tensor([slot + 1 for slot, _, _ in rows]),
+                             decode_ancestor_masks=torch.tensor(masks, dtype=torch.long))
+    positions = torch.tensor([position for _, position, _ in rows])
+    q = torch.randn(len(rows), heads, dim, generator=torch.Generator().manual_seed(3))
+    out = torch.empty_like(q)
+    backend.decode_attention(q, cache, meta, dim ** -0.5, out, window, positions)
+    for r, (_, position, seen) in enumerate(rows):
+        visible = [slot for slot in seen if slot > position - window]
+        expected = _dense_attention(q[r], keys, values, visible, dim ** -0.5)
+        assert torch.allclose(out[r], expected, atol=2e-6), (r, window)
+
+
+@pytest.mark.parametrize("backend", [C, TORCH], ids=["c", "torch"])
+@pytest.mark.parametrize("first_position, chunk", [(0, 1), (0, 37), (5, 20), (29, 50), (60, 3)])
+@pytest.mark.parametrize("window", [1, 7, 16, 25])
+def test_windowed_prefill_sees_each_querys_last_window_positions(backend, first_position, chunk, window):
+    """A chunk straddling the window's edge: query i at position p = first_position + i sees the
+    keys at p - window + 1 .. p, whether they were cached before the chunk or written by it."""
+    heads, kv_heads, block_size, dim, num_blocks = 6, 2, 8, 16, 10
+    cache, keys, values = _identity_cache(kv_heads, block_size, dim, num_blocks)
+    context = first_position + chunk
+    span = PrefillSpan(0, chunk, context, torch.arange(num_blocks)[:(context + block_size - 1) // block_size])
+    q = torch.randn(chunk, heads, dim, generator=torch.Generator().manual_seed(4))
+    out = torch.empty_like(q)
+    backend.span_attention(q, cache, span, 0.25, out, window)
+    for i in range(chunk):
+        p = first_position + i
+        expected = _dense_attention(q[i], keys, values, list(range(max(0, p - window + 1), p + 1)), 0.25)
+        assert torch.allclose(out[i], expected, atol=2e-6), (i, window)
+
+
 @pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("first_position, chunk", [(0, 1), (0, 37), (0, 100), (5, 1), (16, 16), (29, 50)])
 def test_prefill_kernel_matches_torch(dtype, kind, first_position, chunk):
@@ -219,7 +285,8 @@ def test_fused_norms_and_activation_match_torch(dtype, rows):
 
     gate_up = torch.randn(rows, 2 * 96, generator=g).to(dtype) * 4
     gate, up = gate_up.float().chunk(2, dim=-1)
-    assert (cpu_kernels.silu_mul(gate_up).float() - F.silu(gate) * up).abs().max().item() < tolerance * 4
+    for activation, act in ACTIVATIONS.items():
+        assert (cpu_kernels.act_mul(gate_up, activation).float() - act(gate) * up).abs().max().item() < tolerance * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

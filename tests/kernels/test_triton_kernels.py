@@ -20,7 +20,7 @@ import_or_require("triton", "Triton (the test extra)")
 import torch.nn.functional as F  # noqa: E402
 
 from brisk import LLM, SamplingParams  # noqa: E402
-from brisk.kernels.backend import KernelBackend  # noqa: E402
+from brisk.kernels.backend import ACTIVATIONS, KernelBackend  # noqa: E402
 from brisk.kernels.gpu import TritonBackend  # noqa: E402
 from brisk.kernels import triton_attention, triton_layer_ops, triton_quant  # noqa: E402
 from brisk.kernels.attention import AttentionMetadata, PrefillSpan, decode_attention_torch  # noqa: E402
@@ -54,9 +54,11 @@ def cache(request) -> KVCacheLayer:
 @pytest.mark.parametrize("q_dtype", Q_DTYPES)
 @pytest.mark.parametrize("width,contexts", [(1, [5, 16, 9]), (NUM_BLOCKS, [3 * BS + 1, 17, NUM_BLOCKS * BS - 5])],
                          ids=["one-block", "split"])
-def test_decode_attention_matches_torch(cache, q_dtype, width, contexts):
+@pytest.mark.parametrize("window", [0, 7, 20])
+def test_decode_attention_matches_torch(cache, q_dtype, width, contexts, window):
     """Tables of one block (one share per context, normalized in place), and a batch whose long
-    context is split in several shares (merged after); plain rows and a draft tree's rows."""
+    context is split in several shares (merged after); plain rows and a draft tree's rows; with
+    a sliding window (the rows' positions one below their slots, as a tree's sit)."""
     n = len(contexts)
     tables = torch.stack([torch.randperm(NUM_BLOCKS, device=DEVICE)[:width] for _ in range(n)])
     lens = torch.tensor(contexts, device=DEVICE)
@@ -64,9 +66,10 @@ def test_decode_attention_matches_torch(cache, q_dtype, width, contexts):
     for masks in (None, torch.tensor([-1, 0b101, -1 ^ 0b110], device=DEVICE)):
         meta = AttentionMetadata(None, None, num_decodes=n, decode_block_tables=tables, decode_context_lens=lens,
                                  decode_ancestor_masks=masks)
-        expected = decode_attention_torch(q.float(), cache, meta, 0.2)
+        positions = lens - 2
+        expected = decode_attention_torch(q.float(), cache, meta, 0.2, window, positions)
         out = torch.empty_like(q)
-        triton_attention.decode_attention(q, cache, tables, lens, 0.2, out, masks)
+        triton_attention.decode_attention(q, cache, tables, lens, 0.2, out, masks, window, positions)
         assert (out.float() - expected).abs().max().item() < _tolerance(q_dtype)
 
 
@@ -77,21 +80,24 @@ def test_decode_splits_fill_the_gpu_and_stay_within_the_table():
 
 
 @pytest.mark.parametrize("q_dtype", Q_DTYPES)
-def test_prefill_attention_matches_torch(cache, q_dtype):
+@pytest.mark.parametrize("window", [0, 9, 40])
+def test_prefill_attention_matches_torch(cache, q_dtype, window):
     """Two spans in one launch: a fresh 20-token prompt, and a 70-token chunk continuing a
-    cached context of 30 (its first tile's queries see cached keys and their own)."""
+    cached context of 30 (its first tile's queries see cached keys and their own); with a
+    sliding window, tiles whose first rows see nothing of the first blocks they scan."""
     torch.manual_seed(1)
     spans = [PrefillSpan(0, 20, 20, torch.tensor([3, 5], device=DEVICE)),
              PrefillSpan(20, 90, 100, torch.tensor([8, 9, 10, 11, 6, 0, 7], device=DEVICE))]
     q = torch.randn(90, H_KV * GROUP, D, device=DEVICE, dtype=q_dtype)
     expected = torch.empty(90, H_KV * GROUP, D, device=DEVICE)
     for span in spans:
-        KernelBackend().span_attention(q[span.start:span.end].float(), cache, span, 0.2, expected[span.start:span.end])
+        KernelBackend().span_attention(q[span.start:span.end].float(), cache, span, 0.2, expected[span.start:span.end],
+                                       window)
     meta = AttentionMetadata(torch.zeros(1, device=DEVICE), None, prefills=spans)
     batch = meta.prefill_batch()
     out = torch.empty_like(q)
     triton_attention.prefill_attention(q, cache, batch.starts, batch.lengths, batch.context_lens, batch.block_tables,
-                                       batch.max_length, 0.2, out)
+                                       batch.max_length, 0.2, out, window)
     assert (out.float() - expected).abs().max().item() < _tolerance(q_dtype)
 
 
@@ -104,9 +110,10 @@ def test_norms_and_activation_match_torch():
     triton_layer_ops.add_rms_norm(x_inout, residual_inout, weight, 1e-6)
     assert torch.allclose(residual_inout, residual + x, atol=1e-6)
     assert torch.allclose(x_inout, F.rms_norm(residual + x, (96,), weight, 1e-6), atol=1e-5)
-    gate_up = torch.randn(4, 2 * 1500, device=DEVICE)  # wider than one program's 1024 columns
-    assert torch.allclose(triton_layer_ops.silu_mul(gate_up), F.silu(gate_up[:, :1500]) * gate_up[:, 1500:],
-                          atol=1e-5)
+    gate_up = torch.randn(4, 2 * 1500, device=DEVICE) * 4  # wider than one program's 1024 columns
+    for activation, act in ACTIVATIONS.items():
+        assert torch.allclose(triton_layer_ops.act_mul(gate_up, activation), act(gate_up[:, :1500]) * gate_up[:, 1500:],
+                              atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])

@@ -116,10 +116,13 @@ def test_spec_from_metadata_carries_the_family_flags_of_the_hf_path(tmp_path, ar
     path = _write(tmp_path / "m.gguf", name, _model_fields(name),
                   tensors={"token_embd.weight": (_random(96, 64), Q.F32)})
     spec = GGUFCheckpoint(path).hparams()
+    # llama.cpp scales Gemma 3's queries by head_dim^-1/2 where the file is silent (no window here)
+    gemma = {"query_pre_attn_scalar": 16} if name == "gemma3" else {}
     assert spec == HParams(architecture=architecture.family, vocab_size=96, hidden_size=64, intermediate_size=96,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=0.5,
                              rope_theta=50000.0, max_position_embeddings=512, tie_word_embeddings=True,
-                             attention_bias=architecture.attention_bias, qk_norm=architecture.qk_norm, name="tiny")
+                             attention_bias=architecture.attention_bias, qk_norm=architecture.qk_norm, name="tiny",
+                             **gemma)
     hf = HParams.from_hf_config({"architectures": list(architecture.hf_classes), "vocab_size": 96,
                                    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                                    "num_attention_heads": 4, "num_key_value_heads": 2})
@@ -129,7 +132,8 @@ def test_spec_from_metadata_carries_the_family_flags_of_the_hf_path(tmp_path, ar
 def test_family_flags_are_those_of_the_models():
     flags = {a.family: (a.attention_bias, a.qk_norm, a.gguf_name) for a in ARCHITECTURES}
     assert flags == {"llama": (False, False, "llama"), "mistral": (False, False, None),
-                     "qwen2": (True, False, "qwen2"), "qwen3": (False, True, "qwen3")}
+                     "qwen2": (True, False, "qwen2"), "qwen3": (False, True, "qwen3"),
+                     "gemma3": (False, True, "gemma3")}
 
 
 def test_an_hf_config_may_override_the_family_bias():
@@ -172,7 +176,7 @@ def test_weights_get_hf_names_and_llama_rotary_rows_restored(tmp_path, arch, per
 def test_unsupported_architecture_is_named(tmp_path):
     path = _write(tmp_path / "falcon.gguf", "falcon")
     with pytest.raises(ValueError, match=r"GGUF architecture 'falcon' is not supported \(supported: "
-                                         r"\['llama', 'qwen2', 'qwen3'\]\)"):
+                                         r"\['gemma3', 'llama', 'qwen2', 'qwen3'\]\)"):
         GGUFCheckpoint(path)
 
 

@@ -54,7 +54,9 @@ def with_layers(model: LlamaForCausalLM, layers: list[int]) -> LlamaForCausalLM:
     student = copy.copy(model)  # the modules are shared; only the layer list and spec differ
     student._modules = dict(model._modules)
     student.layers = torch.nn.ModuleList(model.layers[i] for i in layers)
-    student.hparams = replace(model.hparams, num_layers=len(layers))
+    windows = model.hparams.layer_windows
+    student.hparams = replace(model.hparams, num_layers=len(layers),
+                              layer_windows=tuple(windows[i] for i in layers) if windows else ())
     student._decode_layers = None
     return student
 
@@ -113,6 +115,10 @@ def measure_width(model: LlamaForCausalLM, sequences: list[list[int]], hidden: i
     if not 0 < hidden <= spec.hidden_size or not 0 < intermediate <= spec.intermediate_size:
         raise ValueError(f"a narrower student keeps 1 to {spec.hidden_size} channels and 1 to "
                          f"{spec.intermediate_size} neurons, not {hidden} and {intermediate}")
+    if spec.family.scaled_embeddings:
+        raise ValueError(f"a narrower {spec.architecture} student is not supported: its embeddings are scaled by "
+                         "sqrt(hidden size) and tied to the LM head, so fewer channels change every logit's scale; "
+                         "keep its width and drop layers only")
     energy: dict[str, torch.Tensor] = {}
     importance = torch.zeros(spec.hidden_size, dtype=torch.float64)
     activations = [torch.zeros(spec.intermediate_size, dtype=torch.float64) for _ in model.layers]
