@@ -12,7 +12,7 @@ a lower layer defines (KV cache kinds and quantization group sizes: the kernels'
 methods: brisk/quant's) are spelled out here again, and tests/kernels/test_backend.py checks
 that the two agree. Defaults that depend on the host or the file (dtype "auto": bf16 only where
 the CPU multiplies it natively; quantization "auto": a GGUF file's own blocks on CPU) are resolved
-where the model loads (model/loader.py: resolve_dtype, resolve_weight_mode).
+where the model loads (model/loader.py: resolve_precision, resolve_weight_mode).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ GROUP_SIZES = (32, 64, 128)  # kernels/packed.py's: the kernels find a column's 
 QUANTIZATION_METHODS = ("int8", "fp8", "int4", "nf4", "gguf", "w8a8")  # quant/modules.py's METHODS
 # What --quantization accepts: the methods, "none" (the weights in --dtype) and "auto" (model/loader.py decides).
 QUANTIZATION_MODES = ("auto", "none", *QUANTIZATION_METHODS)
+CHAT_TEMPLATE_EXTENSIONS = ("jinja2.ext.loopcontrols",)  # transformers' jinja environment's (model/tokenizer.py)
 
 
 def knob(default, help: str, **kwargs):
@@ -137,7 +138,8 @@ class EngineConfig:
     model: str | None = knob(
         None, "Local Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)."
     )
-    dtype: str = knob("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto: bfloat16 "
+    dtype: str = knob("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto: float32 "
+                                "activations where a CPU runs a GGUF file's own blocks (as llama.cpp); else bfloat16 "
                                 "on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX), float32 elsewhere.")
     quantization: str = knob(
         "auto", "How the weights run. auto (the default): a GGUF file on CPU keeps its own blocks and rounds "
@@ -165,10 +167,12 @@ class EngineConfig:
         0.9, "On a GPU: the share of its memory brisk may take (weights, activations, KV cache); the KV cache gets "
              "what the loaded weights and a step's activations leave of it.")
     kv_cache_dtype: str = knob(
-        "auto", "How K and V are stored: auto (the model's dtype), float32, bfloat16, float16, or int8 (a scale per "
+        "auto", "How K and V are stored: auto (the model's dtype; 16-bit, bfloat16 or float16, beside float32 "
+                "activations over a GGUF file's blocks, as llama.cpp's f16 cache), float32, bfloat16, float16, or int8 (a scale per "
                 "token and head: 3.8x fewer bytes than float32 for a head dim of 64, so 3.8x more tokens fit).")
     num_kv_blocks: int | None = knob(
-        None, "Exact number of KV blocks, overriding kv_cache_memory_gib (for tests and tuning)."
+        None, "The KV cache's size in blocks of block_size tokens of every layer, overriding kv_cache_memory_gib (for "
+        "tests and tuning); a model whose window layers keep K/V in groups gets as many smaller blocks as fit in it."
     )
     max_num_seqs: int | None = knob(None, "Most sequences in one batch; default: 64 on CPU, 256 on a GPU.")
     # 256 on CPU keeps a step near 0.6 s (a short request waits at most about two steps for its
@@ -193,10 +197,17 @@ class EngineConfig:
         False, "On a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs.")
     seed: int = knob(0, "Seed of the generator that gives each request without a seed its own.")
     num_threads: int | None = knob(None, "CPU threads for torch; default: all cores.")
+    chat_template: str | None = knob(
+        None, "The Jinja chat template chats are rendered with (the chat routes, LLM.chat, `brisk chat` and "
+              "`generate`), in place of the model's own: a file holding one, or the template itself (vLLM's rule: "
+              "a value with no {, } or newline is a path). Default: the model's; chats for a model without one are "
+              "refused (HTTP 400).")
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization is None:  # what "none" was called before auto became the default
@@ -243,11 +254,33 @@ class EngineConfig:
         return torch.device(self.device)
 
     def kv_cache_kind_for(self, dtype: torch.dtype) -> str:
-        """kv_cache_dtype with auto resolved: the model's dtype (model/loader.py: resolve_dtype)."""
+        """kv_cache_dtype with auto resolved to the model's dtype (model/loader.py: resolve_precision
+        has the exception: a GGUF file's blocks on CPU)."""
         if self.kv_cache_dtype == "auto":
             return str(dtype).removeprefix("torch.")
         return self.kv_cache_dtype
 
+
+def read_chat_template(value: str) -> str:
+    """The template `value` names, as vLLM reads --chat-template: a file's text where value is a
+    readable path, else value itself; a value that looks like a path (no {, } or newline) but
+    cannot be read is an error, not a constant prompt. The template is parsed here, so a broken
+    one stops the start rather than every chat. EngineConfig keeps the text, which reads back as
+    itself when config_flags hands the config to another process."""
+    import jinja2
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the value
+        if not any(c in value for c in "{}\n"):
+            raise ConfigError(f"chat_template {value!r} looks like a file path, but it cannot be read: {exc}") from exc
+        template = value
+    try:
+        jinja2.Environment(extensions=list(CHAT_TEMPLATE_EXTENSIONS)).parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"chat_template is not a valid Jinja template: {exc.message} (line {exc.lineno})") from exc
+    return template
 
 
 EMBEDDING_DISABLED = "none"

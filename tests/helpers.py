@@ -4,6 +4,7 @@ engine's real paged path driven below the scheduler."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from types import ModuleType
 from typing import Iterator, NoReturn
@@ -116,3 +117,19 @@ def break_the_runner(engine) -> None:
         raise RuntimeError("broken on purpose")
 
     engine.runner.execute = execute
+
+
+# Gemma's chat turns, as a template a test gives a model with --chat-template / chat_template=.
+GEMMA_TURNS = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def drop_chat_template(folder: str) -> str:
+    """The Hugging Face model in `folder` made one without a chat template (as a pretrained model is)."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    del config["chat_template"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return folder

@@ -8,6 +8,7 @@ import pytest
 
 from brisk.args import add_config_arguments, config_flags, config_from_args
 from brisk.config import ClusterConfig, ConfigError, EngineConfig, ServerConfig
+from tests.helpers import GEMMA_TURNS
 
 
 def test_served_model_name_takes_one_name_or_several_aliases():
@@ -82,3 +83,33 @@ def test_a_bad_cluster_config_names_what_is_wrong(kwargs, names):
 def test_replicas_or_an_autoscaling_range_turn_the_cluster_on():
     assert not ClusterConfig().enabled
     assert ClusterConfig(replicas=2).enabled and ClusterConfig(min_replicas=1, max_replicas=3).enabled
+
+
+def test_chat_template_is_a_file_or_the_template_itself_as_vllm_reads_it(tmp_path):
+    path = tmp_path / "gemma.jinja"
+    path.write_text(GEMMA_TURNS, encoding="utf-8")
+    assert EngineConfig(chat_template=str(path)).chat_template == GEMMA_TURNS
+    config = EngineConfig(chat_template=GEMMA_TURNS)
+    assert config.chat_template == GEMMA_TURNS
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, EngineConfig, "engine")
+    assert config_from_args(EngineConfig, parser.parse_args(config_flags(config))) == config  # to another process
+    assert EngineConfig().chat_template is None
+
+
+@pytest.mark.parametrize("value, names", [
+    ("templates/gemma.jinja", "chat_template 'templates/gemma.jinja' looks like a file path, but it cannot be read"),
+    ("{% for m in messages %}{{ m['content'] }}",
+     r"chat_template is not a valid Jinja template: Unexpected end of template.* \(line 1\)"),
+])
+def test_a_bad_chat_template_names_the_field(value, names):
+    with pytest.raises(ConfigError, match=names):
+        EngineConfig(chat_template=value)
+
+
+def test_a_bad_chat_template_stops_every_command_before_anything_loads(capsys):
+    from brisk.cli import main
+
+    for command in (["serve"], ["chat"], ["generate", "hi"]):
+        assert main([*command, "--chat-template", "no-such-template.jinja"]) == 2
+        assert "chat_template 'no-such-template.jinja' looks like a file path" in capsys.readouterr().err

@@ -47,7 +47,7 @@ from brisk.bench.serve import load_settings, measure, workload
 from brisk.bench.throughput import run_hf, single_stream_decode
 from brisk.config import EngineConfig, ServerConfig
 from brisk.llm import LLM
-from brisk.model.loader import default_model_path, open_checkpoint, resolve_dtype, resolve_weight_mode
+from brisk.model.loader import default_model_path, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.sampling_params import SamplingParams
 
 # Where `make llama-cpp` puts the binaries, from the repository's root.
@@ -183,7 +183,7 @@ def main(args) -> None:
     model_path = config.model or default_model_path()
     threads = config.num_threads or os.cpu_count()
     checkpoint = open_checkpoint(model_path)
-    dtype = resolve_dtype(config.dtype, config.torch_device)
+    dtype = resolve_precision(config, checkpoint, config.torch_device).dtype
     mode = resolve_weight_mode(config, checkpoint, config.torch_device, dtype)  # as the served engine resolves it
     prompts = [checkpoint.tokenizer.encode_chat(r.messages) for r in requests]
     asked = sum(r.max_tokens for r in requests)

@@ -75,16 +75,21 @@ class DecodeGraphs:
     """A model's decode forward, captured for each of `sizes` batch sizes."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCacheLayer], sizes: list[int],
-                 max_blocks_per_seq: int, scratch_block: int, capture: GraphCapture):
+                 max_blocks_per_seq: int, scratch_block: int, capture: GraphCapture,
+                 layer_groups: tuple[int, ...] | None = None):
+        """layer_groups: each layer's group of block tables, where the layers keep K/V in groups
+        (AttentionMetadata.layer_groups); every group gets its own static slots and tables."""
         device = kv_caches[0].v.device
         self.sizes = sorted(sizes)
         self.scratch_block = scratch_block
-        largest = self.sizes[-1]
+        self.layer_groups = layer_groups
+        largest, groups = self.sizes[-1], 1 + max(layer_groups or (0,))
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_blocks = torch.full((largest,), scratch_block, dtype=torch.long, device=device)
+        self.slot_blocks = torch.full((groups, largest), scratch_block, dtype=torch.long, device=device)
         self.slot_offsets = torch.zeros(largest, dtype=torch.long, device=device)
-        self.block_tables = torch.full((largest, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
+        self.block_tables = torch.full((groups, largest, max_blocks_per_seq), scratch_block, dtype=torch.long,
+                                       device=device)
         self.context_lens = torch.ones(largest, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         for size in reversed(self.sizes):  # largest first: the pool is sized once, smaller graphs fit in it
@@ -94,13 +99,17 @@ class DecodeGraphs:
     def _metadata(self, size: int) -> AttentionMetadata:
         """Fresh for each call: what a layer derives from it (the torch path's masks) is built on
         first use and kept, and a graph must record building it, not a copy made in the warm-up."""
-        return AttentionMetadata(self.slot_blocks[:size], self.slot_offsets[:size], num_decodes=size,
-                                 decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size])
+        groups = [AttentionMetadata(slot_blocks[:size], self.slot_offsets[:size], num_decodes=size,
+                                    decode_block_tables=tables[:size], decode_context_lens=self.context_lens[:size])
+                  for slot_blocks, tables in zip(self.slot_blocks, self.block_tables)]
+        if self.layer_groups is not None:
+            groups[0].groups, groups[0].layer_groups = groups, self.layer_groups
+        return groups[0]
 
     def serves(self, meta: AttentionMetadata) -> bool:
         """Whether this step replays: plain decode rows only, no more than the largest size."""
         return (0 < meta.num_decodes <= self.sizes[-1] and not meta.prefills and meta.decode_ancestor_masks is None
-                and meta.decode_block_tables.shape[1] <= self.block_tables.shape[1])
+                and meta.decode_block_tables.shape[1] <= self.block_tables.shape[2])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's final hidden states [n, hidden], as model(input_ids, positions, ..., meta)."""
@@ -108,12 +117,14 @@ class DecodeGraphs:
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_blocks[:n].copy_(meta.slot_blocks, non_blocking=True)
+        for g, group in enumerate(meta.groups or [meta]):
+            self.slot_blocks[g, :n].copy_(group.slot_blocks, non_blocking=True)
+            self.block_tables[g, :n, :group.decode_block_tables.shape[1]].copy_(group.decode_block_tables,
+                                                                               non_blocking=True)
         self.slot_offsets[:n].copy_(meta.slot_offsets, non_blocking=True)
-        self.block_tables[:n, :meta.decode_block_tables.shape[1]].copy_(meta.decode_block_tables, non_blocking=True)
         self.context_lens[:n].copy_(meta.decode_context_lens, non_blocking=True)
         if n < size:  # rows padded in hold an earlier step's table and length: only their writes must move
-            self.slot_blocks[n:size].fill_(self.scratch_block)
+            self.slot_blocks[:, n:size].fill_(self.scratch_block)
         replay, out = self._graphs[size]
         replay()
         return out[:n]

@@ -20,7 +20,7 @@ import torch
 
 from brisk.config import ConfigError, EngineConfig
 from brisk.engine.cuda_graphs import capture_sizes
-from brisk.engine.kv_cache import KVCacheManager
+from brisk.engine.kv_cache import KVCacheManager, KVLayout
 from brisk.kernels.kv_cache import kv_bytes_per_token
 from brisk.engine.output import OutputProcessor, RequestOutput
 from brisk.engine.request import EngineRequest, Request, RequestStatus
@@ -28,7 +28,7 @@ from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import Progress, Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
 from brisk.engine.step_hook import NoStepHook, StepHook
-from brisk.model.loader import kernels_name, load_model, open_checkpoint, resolve_dtype, resolve_weight_mode
+from brisk.model.loader import kernels_name, load_model, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.sample.grammar import Grammar, GrammarCompiler
 from brisk.sampling_params import SamplingError, SamplingParams
 
@@ -50,10 +50,11 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.checkpoint = open_checkpoint(config.model)
+        precision = resolve_precision(config, self.checkpoint, self.device)
+        self.dtype, self.kv_cache_kind = precision.dtype, precision.kv_cache
         self.hparams = self.checkpoint.hparams
-        self.tokenizer = self.checkpoint.tokenizer
+        self.tokenizer = self.checkpoint.tokenizer.with_chat_template(config.chat_template)
         self.max_model_len = config.max_model_len or self.hparams.max_position_embeddings
         mode = self.weight_mode = resolve_weight_mode(config, self.checkpoint, self.device, self.dtype)
         self.model = load_model(self.checkpoint, self.dtype, self.device, self.max_model_len, mode.quantization,
@@ -61,13 +62,15 @@ class LLMEngine:
         logger.info("loaded %s (%s): weights %s: %s; dtype %s; kernels %s",
                     os.path.basename(self.checkpoint.path.rstrip("/")), self.hparams.architecture, mode.name,
                     mode.weights, str(self.dtype).removeprefix("torch."), kernels_name(self.model.kernels, self.device))
+        # Sliding-window layers keep their K/V in groups of their own (engine/kv_cache.py)
+        self.kv_layout = KVLayout.of(self.hparams.layer_windows, self.hparams.num_layers)
         num_blocks = self._num_kv_blocks()  # after loading: on a GPU the cache gets what the weights leave
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_layout)
         # A speculative step already gains several tokens; its drafters keep state per step.
         passes = 1 if config.speculative_config is not None else config.num_scheduler_steps
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context, passes)
-        self.runner = ModelRunner(self.model, self.kv, config.kv_cache_kind_for(self.dtype), self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.kv_cache_kind, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(capture_sizes(config.max_num_seqs), self.max_model_len)
         self.step_hook: StepHook = step_hook(self) if step_hook is not None else NoStepHook()
@@ -79,18 +82,22 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        if c.num_kv_blocks is not None:
-            num_blocks = c.num_kv_blocks
+        if c.num_kv_blocks is not None:  # blocks of every layer; the pool's blocks hold one group's layers
+            num_blocks = c.num_kv_blocks * self.hparams.num_layers // self.kv_layout.positions
         else:
             s = self.hparams
-            bytes_per_token = kv_bytes_per_token(c.kv_cache_kind_for(self.dtype), s.num_layers, s.num_kv_heads, s.head_dim)
+            # a block holds its tokens for one group's layers (KVLayout.positions of them)
+            bytes_per_token = kv_bytes_per_token(self.kv_cache_kind, self.kv_layout.positions,
+                                                 s.num_kv_heads, s.head_dim)
             # less one: the pool's scratch block (engine/runner.py) comes out of the same budget
             num_blocks = int(self._kv_cache_bytes() // (bytes_per_token * c.block_size)) - 1
-        if num_blocks * c.block_size < self.max_model_len:
+        chunk = c.max_num_batched_tokens if c.enable_chunked_prefill else self.max_model_len  # a prompt's widest step
+        needed = self.kv_layout.max_blocks(self.max_model_len, chunk, c.block_size)
+        if num_blocks < needed:
             raise ConfigError(
-                f"the KV cache holds {max(num_blocks, 0) * c.block_size} tokens, fewer than max_model_len="
-                f"{self.max_model_len}: raise kv_cache_memory_gib / gpu_memory_utilization / num_kv_blocks or lower "
-                f"max_model_len")
+                f"the KV cache holds {max(num_blocks, 0)} blocks of {c.block_size} tokens, fewer than one sequence of "
+                f"max_model_len={self.max_model_len} needs ({needed}): raise kv_cache_memory_gib / "
+                f"gpu_memory_utilization / num_kv_blocks or lower max_model_len")
         return num_blocks
 
     def _kv_cache_bytes(self) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from brisk.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
-from brisk.engine.kv_cache import KVCacheManager
+from brisk.engine.kv_cache import KVCacheManager, KVLayout
 from brisk.kernels.gpu import to_device, to_device_many
 from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.engine.request import Request
@@ -93,11 +93,15 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.vocab_size = hp.vocab_size
-        # One per layer, in the storage kind of kernels/kv_cache.py; see kernels/attention.py for the layout.
-        # The pool has one block more than the manager hands out: the padding rows of a CUDA graph
-        # write there (engine/cuda_graphs.py).
-        self.kv_caches = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks + 1, hp.num_kv_heads, kv.block_size,
-                                                hp.head_dim, device) for _ in range(hp.num_layers)]
+        # One per position in a group of layers (engine/kv_cache.py's KVLayout: one per layer for
+        # most models), in the storage kind of kernels/kv_cache.py; see kernels/attention.py for the
+        # layout. kv_caches[l] is layer l's. The pool has one block more than the manager hands
+        # out: the padding rows of a CUDA graph write there (engine/cuda_graphs.py).
+        self.layout = kv.layout or KVLayout.of((), hp.num_layers)
+        tensors = [KVCacheLayer.allocate(kv_cache_dtype, kv.num_blocks + 1, hp.num_kv_heads, kv.block_size,
+                                         hp.head_dim, device) for _ in range(self.layout.positions)]
+        self.kv_caches = [tensors[p] for p in self.layout.position_of]
+        self._layer_groups = self.layout.group_of if len(self.layout.groups) > 1 else None
         self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
@@ -105,7 +109,8 @@ class ModelRunner:
         """Records the decode forward for these batch sizes (CUDA graphs unless `capture` says
         otherwise); later plain decode steps of up to max(sizes) sequences replay them."""
         self.graphs = DecodeGraphs(self.model, self.kv_caches, sizes, -(-max_model_len // self.block_size),
-                                   scratch_block=self.kv.num_blocks, capture=capture or CudaGraphCapture(self.device))
+                                   scratch_block=self.kv.num_blocks, capture=capture or CudaGraphCapture(self.device),
+                                   layer_groups=self._layer_groups)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -117,9 +122,13 @@ class ModelRunner:
         if batch.sample_chunks:
             self._sample(hidden[batch.sample_rows], batch.sample_chunks, out)
         for rows in batch.prompt_logprob_rows:
-            logits = self.model.compute_logits(hidden[rows.rows])
-            out.prompt_logprobs[rows.request.request_id] = (rows.first_position, prompt_logprobs(
-                logits, rows.targets, rows.request.params.prompt_logprobs, self.model.kernels))
+            entries = []
+            for first in range(rows.rows.start, rows.rows.stop, PROMPT_LOGPROB_ROWS):
+                last = min(first + PROMPT_LOGPROB_ROWS, rows.rows.stop)
+                targets = rows.targets[first - rows.rows.start:last - rows.rows.start]
+                entries += prompt_logprobs(self.model.compute_logits(hidden[first:last]), targets,
+                                           rows.request.params.prompt_logprobs, self.model.kernels)
+            out.prompt_logprobs[rows.request.request_id] = (rows.first_position, entries)
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
@@ -136,11 +145,11 @@ class ModelRunner:
             tokens.append(input_ids)
             if step + 1 < steps:
                 positions = positions + 1
-                tables = attn.decode_block_tables
-                attn = AttentionMetadata(
-                    slot_blocks=tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1),
+                attn = self._group_metadata([AttentionMetadata(
+                    slot_blocks=g.decode_block_tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1),
                     slot_offsets=positions % self.block_size, num_decodes=attn.num_decodes,
-                    decode_block_tables=tables, decode_context_lens=attn.decode_context_lens + 1)
+                    decode_block_tables=g.decode_block_tables, decode_context_lens=attn.decode_context_lens + 1)
+                    for g in attn.groups or [attn]])
         rows = torch.stack(tokens, dim=1).tolist()
         return RunnerOutput(sampled={c.request.request_id: row for c, row in zip(batch.sample_chunks, rows)})
 
@@ -167,36 +176,42 @@ class ModelRunner:
         """Moves K/V between slots of the same sequences (a step hook's verdict on verified rows)."""
         if not moves:
             return
-        tables = {m.request_id: self.kv.block_ids(m.request_id) for m in moves}
-
-        def locate(slots: list[tuple[str, int]]) -> torch.Tensor:  # [2, moves]: block ids, offsets
+        def locate(tables: dict[str, list[int]], slots: list[tuple[str, int]]) -> torch.Tensor:
+            """[2, moves]: the slots' block ids in `tables`, and their offsets."""
             return torch.tensor([[tables[rid][slot // self.block_size], slot % self.block_size] for rid, slot in slots],
                                 dtype=torch.long, device=self.device).t()
 
-        src, dst = locate([(m.request_id, m.src) for m in moves]), locate([(m.request_id, m.dst) for m in moves])
-        for cache in self.kv_caches:
-            cache.copy_slots(src[0], src[1], dst[0], dst[1])
+        for group, layers in enumerate(self.layout.groups):  # each group's layers through its own tables
+            tables = {m.request_id: self.kv.block_ids(m.request_id, group) for m in moves}
+            src = locate(tables, [(m.request_id, m.src) for m in moves])
+            dst = locate(tables, [(m.request_id, m.dst) for m in moves])
+            for layer in layers:
+                self.kv_caches[layer].copy_slots(src[0], src[1], dst[0], dst[1])
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         decodes = [c for c in sched.chunks if _as_decode_rows(c)]
         prefills = [c for c in sched.chunks if not _as_decode_rows(c)]
-        ids, positions, blocks, slots = [], [], [], []
-        tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in sched.chunks}
+        ids, positions, slots = [], [], []
+        num_groups = len(self.layout.groups)
+        tables = [{c.request.request_id: self.kv.block_ids(c.request.request_id, g) for c in sched.chunks}
+                  for g in range(num_groups)]
+        blocks: list[list[int]] = [[] for _ in range(num_groups)]  # per group, each new token's block
         for chunk in decodes + prefills:
             r, start = chunk.request, chunk.request.num_computed_tokens
-            table = tables[r.request_id]
             num_known = chunk.num_new_tokens - chunk.num_verify_rows
             ids.extend(r.token_ids[start:start + num_known])
             span = range(start, start + chunk.num_new_tokens)  # the slots its tokens' K/V go to
             slots.extend(span)
-            blocks.extend(table[s // self.block_size] for s in span)
+            for g in range(num_groups):
+                blocks[g].extend(tables[g][r.request_id][s // self.block_size] for s in span)
             positions.extend(range(start, start + num_known))
             if chunk.verify is not None:  # each row at the position the plan gives it
                 ids.extend(chunk.verify.token_ids)
                 positions.extend(start + num_known - 1 + d for d in chunk.verify.depths)
         num_decodes = sum(c.num_new_tokens for c in decodes)
         tree = any(c.verify is not None and c.verify.ancestor_masks is not None for c in decodes)
-        table_rows, context_lens = self._decode_tables(decodes, tables) if decodes else ([], [])
+        decode_tables = [self._decode_tables(decodes, t) for t in tables] if decodes else [[] for _ in tables]
+        context_lens = [c.request.num_computed_tokens + 1 + i for c in decodes for i in range(c.num_new_tokens)]
         masks = [m for c in decodes for m in _ancestor_masks(c)] if tree else []
         sample_rows, sample_chunks, prompt_rows, prefill_chunks = [], [], [], []
         row = 0
@@ -211,30 +226,39 @@ class ModelRunner:
             if r.params.prompt_logprobs is not None:
                 prompt_rows.extend(self._prompt_logprob_rows(chunk, row))
             row += n
-        (input_ids, positions, slot_blocks, slot_offsets, sample_rows, flat_tables, context_lens,
-         masks) = to_device_many([ids, positions, blocks, [s % self.block_size for s in slots], sample_rows,
-                                  [b for t in table_rows for b in t], context_lens, masks], self.device)
-        attn = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets, num_decodes=num_decodes)
-        if decodes:
-            attn.decode_block_tables = flat_tables.view(num_decodes, -1)
-            attn.decode_context_lens = context_lens
-            attn.decode_ancestor_masks = masks if tree else None
-        attn.prefills = [self._prefill_span(chunk, row, tables[chunk.request.request_id]) for chunk, row in prefill_chunks]
-        return _Batch(input_ids=input_ids, positions=positions, attn=attn, sample_rows=sample_rows,
-                      sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows)
+        input_ids, positions, slot_offsets, sample_rows, context_lens, masks, *per_group = to_device_many(
+            [ids, positions, [s % self.block_size for s in slots], sample_rows, context_lens, masks,
+             *blocks, *([b for row in t for b in row] for t in decode_tables)], self.device)
+        groups = []
+        for g in range(num_groups):
+            attn = AttentionMetadata(slot_blocks=per_group[g], slot_offsets=slot_offsets, num_decodes=num_decodes)
+            if decodes:
+                attn.decode_block_tables = per_group[num_groups + g].view(num_decodes, -1)
+                attn.decode_context_lens = context_lens
+                attn.decode_ancestor_masks = masks if tree else None
+            attn.prefills = [self._prefill_span(chunk, row, tables[g][chunk.request.request_id])
+                             for chunk, row in prefill_chunks]
+            groups.append(attn)
+        return _Batch(input_ids=input_ids, positions=positions, attn=self._group_metadata(groups),
+                      sample_rows=sample_rows, sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows)
 
-    def _decode_tables(self, decodes: list[ScheduledChunk],
-                       block_ids: dict[str, list[int]]) -> tuple[list[list[int]], list[int]]:
-        """A block table and a context length per decode row, tables padded to the longest
-        (padding is never read: context_lens bound it). A verify pass's rows share the table."""
+    def _group_metadata(self, groups: list[AttentionMetadata]) -> AttentionMetadata:
+        """One step's metadata for the model: the first group's, carrying every group's when the
+        layers keep their K/V in several (AttentionMetadata.groups)."""
+        if self._layer_groups is not None:
+            groups[0].groups, groups[0].layer_groups = groups, self._layer_groups
+        return groups[0]
+
+    @staticmethod
+    def _decode_tables(decodes: list[ScheduledChunk], block_ids: dict[str, list[int]]) -> list[list[int]]:
+        """A block table per decode row, padded to the longest (padding is never read: the
+        context lengths bound it). A verify pass's rows share the table."""
         width = max(len(block_ids[c.request.request_id]) for c in decodes)
-        tables, context_lens = [], []
+        tables = []
         for c in decodes:
             table = block_ids[c.request.request_id]
             tables.extend([table + [0] * (width - len(table))] * c.num_new_tokens)
-            start = c.request.num_computed_tokens
-            context_lens.extend(range(start + 1, start + 1 + c.num_new_tokens))
-        return tables, context_lens
+        return tables
 
     def _prefill_span(self, chunk: ScheduledChunk, row: int, block_ids: list[int]) -> PrefillSpan:
         start, n = chunk.request.num_computed_tokens, chunk.num_new_tokens
@@ -251,6 +275,10 @@ class ModelRunner:
             return []
         return [_PromptLogprobRows(r, slice(row, row + count), r.token_ids[start + 1:start + 1 + count], start + 1)]
 
+
+# Prompt positions whose logprobs are computed at a time: the logits of a 256-token chunk over
+# Gemma 3's 262,144-token vocabulary would be 268 MB at once; 32 rows are 34 MB.
+PROMPT_LOGPROB_ROWS = 32
 
 # Chunks of up to this many tokens run as decode rows even without drafts: a step of only decode
 # rows goes through the fused decode kernel, where a prefill span takes the layer-by-layer path

@@ -220,8 +220,7 @@ class Scheduler:
                       if r.num_tokens - r.num_computed_tokens > 1]
         seats = self.max_num_seqs - len(self.running)
         for request in itertools.islice(self.waiting, max(seats, 0)):
-            hit = len(self.kv.find_cached_prefix(request)) * self.kv.block_size
-            candidates.append(_Prefill(request, hit))
+            candidates.append(_Prefill(request, self.kv.find_cached_prefix(request).num_tokens))
         chunked = self.enable_chunked_prefill
         long = any(self.cost(c.remaining, c.num_computed) > budget for c in candidates)
         reserve = budget / 4 if long and chunked else 0.0
@@ -264,8 +263,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 return False
             # Looked up again: blocks this step allocated may have evicted part of the hit.
-            cached = self.kv.find_cached_prefix(request)
-            if len(cached) * self.kv.block_size != c.num_computed or not self.kv.allocate(request, n, cached):
+            hit = self.kv.find_cached_prefix(request)
+            if hit.num_tokens != c.num_computed or not self.kv.allocate(request, n, hit):
                 return False
             self._admit(request, c.num_computed)
         c.scheduled = True

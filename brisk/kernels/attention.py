@@ -96,8 +96,17 @@ class AttentionMetadata:
     # among the 63 keys before their own (bit j: the key j back; -1 for a plain row). See below.
     decode_ancestor_masks: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Layers whose K/V sit in groups (engine/kv_cache.py's KVLayout) read their group's slots and
+    # tables: groups[g] is group g's metadata (groups[0] this one), layer_groups[l] layer l's group.
+    # None: every layer reads this metadata.
+    groups: list[AttentionMetadata] | None = None
+    layer_groups: tuple[int, ...] | None = None
     _decode_padding: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _prefill_batch: PrefillBatch | None = field(default=None, repr=False, compare=False)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` reads: its group's."""
+        return self if self.layer_groups is None else self.groups[self.layer_groups[layer]]
 
     def prefill_batch(self) -> PrefillBatch:
         """Every prefill span as the one-launch Triton kernel reads them; built on first use and

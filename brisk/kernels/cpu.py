@@ -29,7 +29,7 @@ import torch
 
 from brisk.kernels.backend import ACTIVATIONS, KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
-from brisk.kernels.packed import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
+from brisk.kernels.packed import GROUP_SIZES, GROUPED_FORMATS, MixedTensor, QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -307,16 +307,19 @@ _ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}  # enum activa
 
 
 class _Weight(ctypes.Structure):  # struct weight, quant.h
-    _fields_ = [("data", _PTR), ("bias", _PTR), ("scales", _PTR), ("mins", _PTR), ("rows", _I64), ("cols", _I64),
-                ("format", _I64), ("quantize_activations", _I64), ("blocks", _I64),
-                ("groups", _I64), ("group_shift", _I64)]
+    pass
+
+
+_Weight._fields_ = [("data", _PTR), ("bias", _PTR), ("scales", _PTR), ("mins", _PTR), ("rows", _I64), ("cols", _I64),
+                    ("format", _I64), ("quantize_activations", _I64), ("blocks", _I64),
+                    ("groups", _I64), ("group_shift", _I64), ("parts", ctypes.POINTER(_Weight)), ("num_parts", _I64)]
 
 
 class _Layer(ctypes.Structure):  # struct decode_layer
     _fields_ = [("input_norm", _PTR), ("post_attention_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
                 ("attention_output_norm", _PTR), ("mlp_output_norm", _PTR),
                 ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
-                ("cos_table", _PTR), ("sin_table", _PTR), ("window", _I64),
+                ("cos_table", _PTR), ("sin_table", _PTR), ("window", _I64), ("group", _I64),
                 ("k_cache", _PTR), ("v_cache", _PTR), ("k_scales", _PTR), ("v_scales", _PTR)]
 
 
@@ -326,22 +329,34 @@ class _Model(ctypes.Structure):  # struct decode_model
                 ("final_norm", _PTR), ("layers", ctypes.POINTER(_Layer))]
 
 
+class _Tables(ctypes.Structure):  # struct decode_tables
+    _fields_ = [("slot_blocks", _PTR), ("block_tables", _PTR)]
+
+
 class _Batch(ctypes.Structure):  # struct decode_batch
-    _fields_ = [("num_seqs", _I64), ("max_blocks", _I64), ("positions", _PTR), ("slot_blocks", _PTR),
-                ("slot_offsets", _PTR), ("block_tables", _PTR), ("context_lens", _PTR), ("ancestor_masks", _PTR)]
+    _fields_ = [("num_seqs", _I64), ("max_blocks", _I64), ("positions", _PTR), ("slot_offsets", _PTR),
+                ("context_lens", _PTR), ("ancestor_masks", _PTR), ("groups", ctypes.POINTER(_Tables))]
 
 
 # enum weight_format, quant.h
-_FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5}
+_FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5, "int5": 6, "q4_k": 7, "q5_k": 8,
+               "q6_k": 9, "mixed": 10}
 
 
-# formats with an integer product for int8 activations (quant.h)
-INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "int4")
+# formats with an integer product for int8 activations (quant.h); a mixed weight has it when all
+# its parts do (takes_int8_activations)
+INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "int4", "int5", "q4_k", "q5_k", "q6_k")
 QUANT_MATVEC_MAX_ROWS = 8  # quant_linear.c's MATVEC_MAX_ROWS: up to here a weight block is read once for all rows
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def takes_int8_activations(weight: QuantizedTensor) -> bool:
+    """Whether every part of the weight has an integer product (INT8_ACTIVATION_FORMATS)."""
+    parts = weight.parts if isinstance(weight, MixedTensor) else (weight,)
+    return all(part.format in INT8_ACTIVATION_FORMATS for part in parts)
 
 
 def _check(status: int, kernel: str) -> None:
@@ -355,10 +370,11 @@ class KernelWeight:
     """A weight as the C kernels read it (struct weight), holding every tensor the struct points
     into so the pointers stay valid while it lives."""
 
-    def __init__(self, struct: _Weight, tensors: list[torch.Tensor | None]):
+    def __init__(self, struct: _Weight, tensors: list[torch.Tensor | None], parts: ctypes.Array | None = None):
         self.struct = struct
         self.rows, self.cols = struct.rows, struct.cols
         self._tensors = [t for t in tensors if t is not None]
+        self._parts = parts  # a mixed weight's table of part structs, which struct.parts points into
 
     @classmethod
     def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> KernelWeight:
@@ -373,6 +389,8 @@ class KernelWeight:
                   quantize_activations: bool = False) -> KernelWeight:
         """A low-bit weight (see quant.h for each format's layout) and a float32 bias.
         quantize_activations: products round activations to int8 per block (INT8_ACTIVATION_FORMATS)."""
+        if isinstance(weight, MixedTensor):
+            return cls._mixed(weight, bias, quantize_activations)
         if quantize_activations and weight.format not in INT8_ACTIVATION_FORMATS:
             raise ValueError(f"{weight.format} weights multiply float activations only")
         if weight.data.device.type != "cpu":
@@ -391,6 +409,21 @@ class KernelWeight:
         return cls(_Weight(data.data_ptr(), _ptr(bias), _ptr(scales), _ptr(mins), rows, cols, _FORMAT_IDS[weight.format],
                            quantize_activations, -(-cols // 32), -(-cols // group), (group // 32).bit_length() - 1),
                    tensors)
+
+    @classmethod
+    def _mixed(cls, weight: MixedTensor, bias: torch.Tensor | None, quantize_activations: bool) -> KernelWeight:
+        """Each part a weight of its own with its rows' slice of the bias; the products write each
+        part's rows into its columns of y (quant.h: WEIGHT_MIXED)."""
+        parts, first = [], 0
+        for part in weight.parts:
+            rows = part.shape[0]
+            parts.append(cls.quantized(part, None if bias is None else bias[first:first + rows], quantize_activations))
+            first += rows
+        table = (_Weight * len(parts))(*(p.struct for p in parts))
+        rows, cols = weight.shape
+        struct = _Weight(None, None, None, None, rows, cols, _FORMAT_IDS["mixed"], quantize_activations,
+                         -(-cols // 32), -(-cols // 32), 0, table, len(parts))
+        return cls(struct, [t for p in parts for t in p._tensors], table)
 
 
 def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -> torch.Tensor:
@@ -438,6 +471,7 @@ class DecodeLayerWeights:
     cos: torch.Tensor  # [max_len, D] float32: the layer's RoPE tables (model/rope.py)
     signed_sin: torch.Tensor
     window: int = 0  # sliding-window attention's positions, 0 for all
+    group: int = 0  # the group of block tables it reads (AttentionMetadata.layer_groups)
     q_norm: torch.Tensor | None = None  # [D], Qwen3's and Gemma's per-head norms
     k_norm: torch.Tensor | None = None
     attention_output_norm: torch.Tensor | None = None  # [hidden], Gemma's sandwich norms
@@ -469,25 +503,30 @@ class DecodeLayers:
             _Layer(_ptr(w.input_norm), _ptr(w.post_attention_norm), _ptr(w.q_norm), _ptr(w.k_norm),
                    _ptr(w.attention_output_norm), _ptr(w.mlp_output_norm),
                    w.qkv.struct, w.o.struct, w.gate_up.struct, w.down.struct, w.cos.data_ptr(), w.signed_sin.data_ptr(),
-                   w.window)
+                   w.window, w.group)
             for w in layers))
+        self._num_groups = max(w.group for w in layers) + 1
         self._model = _Model(len(layers), final_norm.shape[0], num_heads, num_kv_heads, layers[0].down.cols, eps,
                              scale, _ACTIVATION_IDS[activation], final_norm.data_ptr(), self._layers)
         self._kv_caches: list[KVCacheLayer] | None = None
         self._kernel = None
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
-                 slot_offsets: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 kv_caches: list[KVCacheLayer], ancestor_masks: torch.Tensor | None = None,
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches: list[KVCacheLayer],
                  timings: torch.Tensor | None = None) -> torch.Tensor:
         """x [seqs, hidden] float32 embeddings of this step's tokens (one per sequence) -> the final
-        norm's output, in place. ancestor_masks: as decode_attention's. timings: an int64 [3]
-        tensor to add (matmul, attention, other) nanoseconds to, or None."""
+        norm's output, in place. meta: the step's AttentionMetadata (kernels/attention.py), every
+        row a decode row; its groups' tables where the layers keep K/V in groups. timings: an
+        int64 [3] tensor to add (matmul, attention, other) nanoseconds to, or None."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
-        batch = _Batch(x.shape[0], block_tables.shape[1], positions.data_ptr(), slot_blocks.data_ptr(),
-                       slot_offsets.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-                       _ptr(ancestor_masks))
+        groups = meta.groups or [meta]
+        if len(groups) != self._num_groups:
+            raise ValueError(f"the step has {len(groups)} groups of block tables, the layers read {self._num_groups}")
+        tables = (_Tables * len(groups))(*(_Tables(g.slot_blocks.data_ptr(), g.decode_block_tables.data_ptr())
+                                           for g in groups))
+        batch = _Batch(x.shape[0], meta.decode_block_tables.shape[1], positions.data_ptr(),
+                       meta.slot_offsets.data_ptr(), meta.decode_context_lens.data_ptr(),
+                       _ptr(meta.decode_ancestor_masks), tables)
         _check(self._kernel(ctypes.byref(self._model), ctypes.byref(batch), x.data_ptr(), _ptr(timings)),
                "decode_layers")
         return x

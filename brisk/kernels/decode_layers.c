@@ -51,6 +51,7 @@ struct decode_layer {
     struct weight qkv, o, gate_up, down;
     const float *cos_table, *sin_table; /* [max_len, HEAD_DIM], see attention.h: the layer's RoPE */
     int64_t window;                     /* sliding-window attention's positions, 0 for all */
+    int64_t group;                      /* whose slots and tables it reads (struct decode_batch) */
     void *k_cache, *v_cache;   /* layouts in attention.h */
     float *k_scales, *v_scales; /* a scaled cache kind's per token-head scales, else NULL */
 };
@@ -63,12 +64,19 @@ struct decode_model {
     const struct decode_layer *layers;
 };
 
+/* A group of layers' block ids (engine/kv_cache.py: layers with sliding windows keep their K/V
+ * in groups, each with its own block tables; most models have one group). */
+struct decode_tables {
+    const int64_t *slot_blocks;  /* [num_seqs]: the block receiving each sequence's new K/V */
+    const int64_t *block_tables; /* [num_seqs, max_blocks] */
+};
+
 struct decode_batch {
     int64_t num_seqs, max_blocks;
-    const int64_t *positions, *slot_blocks, *slot_offsets; /* [num_seqs] */
-    const int64_t *block_tables;                           /* [num_seqs, max_blocks] */
-    const int64_t *context_lens;                           /* [num_seqs], this step's token included */
-    const int64_t *ancestor_masks;                         /* [num_seqs] or NULL, see attention.h */
+    const int64_t *positions, *slot_offsets; /* [num_seqs] */
+    const int64_t *context_lens;             /* [num_seqs], this step's token included */
+    const int64_t *ancestor_masks;           /* [num_seqs] or NULL, see attention.h */
+    const struct decode_tables *groups;      /* indexed by decode_layer.group */
 };
 
 static inline int64_t now_ns(void) {
@@ -150,15 +158,16 @@ static int rounds_activations(const struct decode_model *model) {
                 LAP(PHASE_OTHER);                                                                         \
                 project_##WS(&layer->qkv, x, qkv, m, &a8);                                                 \
                 LAP(PHASE_MATMUL);                                                                        \
+                const struct decode_tables *tables = batch->groups + layer->group;                        \
                 rope_tokens_##WS##_##CS(qkv, batch->positions, layer->cos_table, layer->sin_table, q,        \
                                      layer->k_cache, layer->v_cache, layer->k_scales, layer->v_scales,    \
-                                     batch->slot_blocks,                                                  \
+                                     tables->slot_blocks,                                                 \
                                      batch->slot_offsets,                                                 \
                                      layer->q_norm, layer->k_norm, eps, m, model->num_heads,              \
                                      model->num_kv_heads);                                                \
                 LAP(PHASE_OTHER);                                                                         \
                 decode_attention_##WS##_##CS(q, layer->k_cache, layer->v_cache, layer->k_scales,   \
-                                          layer->v_scales, batch->block_tables,                           \
+                                          layer->v_scales, tables->block_tables,                          \
                                           batch->context_lens, batch->ancestor_masks, batch->positions,  \
                                           attended, m, model->num_heads, model->num_kv_heads,             \
                                           batch->max_blocks, layer->window, model->scale, parts, scratch); \

@@ -12,7 +12,8 @@ import torch
 
 BLOCK = 32
 GROUP_SIZES = (32, 64, 128)
-GROUPED_FORMATS = ("int4", "nf4")  # a scale per group of GROUP_SIZES columns; the others per row or block
+# a scale per group of GROUP_SIZES columns (int5: 32 only); the others per row or block
+GROUPED_FORMATS = ("int4", "nf4", "int5")
 # The 16 quantiles of N(0, 1), normalized to [-1, 1]: bitsandbytes' NF4 table (functional.py).
 NF4_VALUES = torch.tensor([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -27,7 +28,12 @@ def _nf4_values(device: torch.device) -> torch.Tensor:
     return NF4_VALUES.to(device)
 
 
-GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+# The GGUF block kinds whose values brisk multiplies as stored, and their bytes per block (of 32
+# weights; the K-quants' super-blocks of 256). The others are dequantized at load.
+GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176,
+                    "q6_k": 210}
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # kept as the file's blocks: [rows, cols / 256 * block bytes]
+INT5_BLOCK_BYTES = 20  # an int5 block's codes: u32 of fifth bits, then 16 bytes of nibbles
 
 
 @dataclass(frozen=True)
@@ -48,13 +54,13 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The float32 [rows, cols] matrix this stands for."""
         rows, cols = self.shape
-        if self.format == "q8_0":
+        if self.format in ("q8_0", *K_QUANTS):
             blocks = self.data.reshape(-1, GGUF_BLOCK_BYTES[self.format])
             return _GGUF_BLOCKS[self.format](blocks).view(rows, -1)[:, :cols]
         if self.format in ("int8", "fp8"):
             values = self.data.float() if self.format == "int8" else self.data.view(torch.float8_e4m3fn).float()
             return values * self.scales[:, None]
-        codes = unpack_nibbles(self.data)[:, :cols].long()
+        codes = (unpack_int5(self.data) if self.format == "int5" else unpack_nibbles(self.data))[:, :cols].long()
         scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, :cols]
         if self.format == "nf4":
             return _nf4_values(self.data.device)[codes] * scales
@@ -74,9 +80,11 @@ class QuantizedTensor:
 
     @staticmethod
     def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
-        """Stacks the rows of same-format tensors (q, k and v into one fused weight)."""
+        """Stacks the rows of same-format tensors (q, k and v into one fused weight); `stack`
+        takes tensors of any formats."""
         first = parts[0]
-        if any((p.format, p.shape[1], p.group_size) != (first.format, first.shape[1], first.group_size) for p in parts):
+        if first.format == "mixed" or any(
+                (p.format, p.shape[1], p.group_size) != (first.format, first.shape[1], first.group_size) for p in parts):
             raise ValueError("only tensors of one format, width and group size can be stacked")
         join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
         return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]),
@@ -84,11 +92,79 @@ class QuantizedTensor:
                        mins=join([p.mins for p in parts]))
 
 
+@dataclass(frozen=True)
+class MixedTensor(QuantizedTensor):
+    """A [rows, cols] weight whose row ranges are stored in different formats: a fused projection
+    whose shards a GGUF file stores differently (Gemma 3's q and k in Q5_0, v in Q8_0). Each part
+    keeps its own format; the kernels multiply each into its columns of the output, and the
+    dequantized matrix is the parts' stacked. `data` is empty: the parts hold the codes."""
+
+    parts: tuple[QuantizedTensor, ...] = ()
+
+    @staticmethod
+    def of(parts: list[QuantizedTensor]) -> MixedTensor:
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("the parts of one weight must have one width")
+        empty = torch.empty(0, dtype=torch.uint8, device=parts[0].data.device)
+        return MixedTensor("mixed", (sum(p.shape[0] for p in parts), parts[0].shape[1]), empty, parts=tuple(parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """The rows `index`, each run of rows from one part in that part's format."""
+        index = index.to(self.data.device)
+        ends = torch.tensor([p.shape[0] for p in self.parts], device=index.device).cumsum(0)
+        owner = torch.bucketize(index, ends, right=True)
+        owners, counts = torch.unique_consecutive(owner, return_counts=True)
+        pieces, at = [], 0
+        for p, count in zip(owners.tolist(), counts.tolist()):
+            first_row = ends[p] - self.parts[p].shape[0]
+            pieces.append(self.parts[p].rows(index[at:at + count] - first_row))
+            at += count
+        return stack(pieces)
+
+    def to(self, device: torch.device) -> MixedTensor:
+        return MixedTensor.of([p.to(device) for p in self.parts])
+
+
+def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Row blocks in order as one weight: neighbours of one format (and group size) concatenated,
+    and a MixedTensor of the runs where the formats differ. A run of one shard is copied too, as
+    `cat` copies: the loader's tensors then die as loading goes (kept until the model moved to
+    huge pages, they left 64 MB more resident on the default model)."""
+    flat = [q for p in parts for q in (p.parts if isinstance(p, MixedTensor) else (p,))]
+    runs = [[flat[0]]]
+    for part in flat[1:]:
+        if (part.format, part.group_size) == (runs[-1][-1].format, runs[-1][-1].group_size):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    joined = [QuantizedTensor.cat(run) for run in runs]
+    return joined[0] if len(joined) == 1 else MixedTensor.of(joined)
+
+
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_nibbles: [rows, 16 n] bytes -> uint8 codes [rows, 32 n]."""
     rows = packed.shape[0]
     blocks = packed.view(rows, -1, BLOCK // 2)
     return torch.stack((blocks & 0x0F, blocks >> 4), dim=2).reshape(rows, -1)
+
+
+def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
+    """int5's [rows, 20 n] bytes -> uint8 codes [rows, 32 n] in 0..31 (quant/formats.py)."""
+    blocks = packed.view(packed.shape[0], -1, INT5_BLOCK_BYTES)
+    return _with_fifth_bit(blocks[..., 4:], blocks[..., :4]).reshape(packed.shape[0], -1)
+
+
+def _with_fifth_bit(nibbles: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """[..., 16] nibble bytes and [..., 4] bytes of fifth bits (bit t: element t) -> [..., 32]."""
+    bits = (high[..., None] >> torch.arange(8, dtype=torch.uint8, device=high.device)) & 1
+    return torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1) | (bits.flatten(-2) << 4)
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -101,14 +177,61 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((packed & 0x0F, packed >> 4), dim=1).float()
 
 
-# [n_blocks, block bytes] -> [n_blocks, 32] float32, for the GGUF block formats.
+def _q5(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Q5_0/Q5_1 codes (their u32 of fifth bits at `start`, the nibbles after) as floats [n, 32]."""
+    return _with_fifth_bit(blocks[:, start + 4:], blocks[:, start:start + 4]).float()
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> the 8 blocks' 6-bit scales and minimums [n, 8] (quant.h's layout)."""
+    d, m, both = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat((d & 63, (both & 15) | ((d >> 2) & 48)), dim=1)
+    mins = torch.cat((m & 63, (both >> 4) | ((m >> 2) & 48)), dim=1)
+    return scales.float(), mins.float()
+
+
+def _bit_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[n, c, b] bytes -> [n, c, 8 / bits, b]: plane p holds each byte's bits p * bits onward."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return (packed[:, :, None, :] >> shifts[:, None]) & ((1 << bits) - 1)
+
+
+def _q4_k(b: torch.Tensor, fifth: torch.Tensor | None = None) -> torch.Tensor:
+    """Q4_K (and, with its qh bytes, Q5_K) super-blocks -> [n, 256]: per block d sc q - dmin m."""
+    n = len(b)
+    scales, mins = _k_scales(b[:, 4:16])
+    codes = _bit_planes(b[:, -128:].reshape(n, 4, 32), 4).reshape(n, 8, 32)
+    if fifth is not None:
+        codes = codes | (_bit_planes(fifth.reshape(n, 1, 32), 1).reshape(n, 8, 32) << 4)
+    d = (_half(b, 0).float() * scales)[:, :, None]
+    return (d * codes.float() - (_half(b, 2).float() * mins)[:, :, None]).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks -> [n, 256]: per 16 columns d sc (q - 32)."""
+    n = len(b)
+    low = _bit_planes(b[:, :128].reshape(n, 2, 64), 4).reshape(n, 8, 32)
+    high = _bit_planes(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32)
+    codes = ((low | (high << 4)).to(torch.int16) - 32).float().view(n, 16, 16)
+    d = _half(b, 208).float() * b[:, 192:208].contiguous().view(torch.int8).float()
+    return (d[:, :, None] * codes).reshape(n, 256)
+
+
+# [n_blocks, block bytes] -> [n_blocks, 32 or 256] float32, for the GGUF block formats: ggml's own
+# formulas in float32, operation for operation, so the values are the `gguf` package's exactly.
 _GGUF_BLOCKS = {
     "q8_0": lambda b: _half(b, 0).float() * b[:, 2:].contiguous().view(torch.int8).float(),
     "q4_0": lambda b: _half(b, 0).float() * (_nibbles(b[:, 2:]) - 8.0),
     "q4_1": lambda b: _half(b, 0).float() * _nibbles(b[:, 4:]) + _half(b, 2).float(),
+    "q5_0": lambda b: _half(b, 0).float() * (_q5(b, 2) - 16.0),
+    "q5_1": lambda b: _half(b, 0).float() * _q5(b, 4) + _half(b, 2).float(),
+    "q4_k": _q4_k,
+    "q5_k": lambda b: _q4_k(b, b[:, 16:48]),
+    "q6_k": _q6_k,
 }
 
 
 def dequantize_gguf_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF blocks of `kind` (q8_0, q4_0 or q4_1) [n_blocks, block bytes] -> float32 [n_blocks, 32]."""
+    """GGUF blocks of `kind` (a GGUF_BLOCK_BYTES key) [n_blocks, block bytes] -> float32
+    [n_blocks, 32], or [n_blocks, 256] for the K-quants."""
     return _GGUF_BLOCKS[kind](blocks)

@@ -17,12 +17,34 @@
  *                                                                               w = s * q + min
  *   WEIGHT_NF4    data as INT4                            scales f16 [rows, groups]  w = s * NF4[q]
  *   WEIGHT_Q8_0   GGUF blocks {f16 d; int8 q[32]}                                w = d * q
+ *   WEIGHT_INT5   data [rows, blocks * 20]: {u32 h; 16 bytes of nibbles} a block
+ *                                                         scales, mins f16 [rows, blocks]
+ *                                                                      w = s * (q + 16 h_t) + min
+ *   WEIGHT_Q4_K   GGUF super-blocks of 256 columns (8 blocks): {f16 d, dmin; u8 sc[12]; u8 q[128]}
+ *                                             block k: w = d * sc_k * q - dmin * m_k (6-bit sc, m)
+ *   WEIGHT_Q5_K   {f16 d, dmin; u8 sc[12]; u8 qh[32]; u8 q[128]}: Q4_K's and a fifth bit
+ *   WEIGHT_Q6_K   {u8 ql[128]; u8 qh[64]; int8 sc[16]; f16 d}        w = d * sc_s * (q - 32), a
+ *                                                                      scale per 16 columns
+ *   WEIGHT_MIXED  parts: row ranges of the matrix, each a weight in its own format
  *
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
  * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns. A GGUF file's
- * Q4_0 and Q4_1 blocks arrive here as INT4 with groups of 32 (quant/formats.py repacks them at
- * load, bit for bit: the same codes and f16 scales), so one 4-bit reader serves
- * the int4 and gguf modes.
+ * Q4_0 and Q4_1 blocks arrive here as INT4 with groups of 32, its Q5_0 and Q5_1 blocks as INT5
+ * (quant/formats.py repacks them at load, bit for bit: the same codes and f16 scales; bit t of
+ * h is element t's fifth bit, as in the file), so one 4-bit reader serves the int4 and gguf
+ * modes, and INT5 is that reader plus a bit. The K-quants stay as the file has them; block k
+ * (of 8) of a super-block has element t's code at
+ *
+ *   Q4_K  q[32 (k / 2) + t] >> 4 (k % 2) & 15           (32 bytes: block k low, k + 1 high)
+ *   Q5_K  that, | (qh[t] >> k & 1) << 4
+ *   Q6_K  ql[64 (k / 4) + 32 (k % 2) + t] >> 4 (k / 2 % 2) & 15 | (qh[32 (k / 4) + t] >> 2 (k % 4) & 3) << 4
+ *
+ * and Q4_K/Q5_K pack sc_k and m_k in 12 bytes: for k < 4 the low 6 bits of bytes k and k + 4,
+ * for k >= 4 a nibble of byte k + 4 each, their top 2 bits those of bytes k - 4 and k.
+ *
+ * A fused projection whose shards a GGUF file stores in different formats (Gemma 3's q and k in
+ * Q5_0, v in Q8_0) is a WEIGHT_MIXED of its parts: each part's product writes its own columns of
+ * y, which is why every product below takes y's row stride `ldy` (the whole weight's rows).
  *
  * Two loops use the blocks. `qmatvec` is the decode path: one weight row at a time, each block
  * dequantized once and multiplied into up to 8 activation rows while in registers. `qmatmul` is
@@ -53,6 +75,11 @@ enum weight_format {
     WEIGHT_INT4 = 3,
     WEIGHT_NF4 = 4,
     WEIGHT_Q8_0 = 5,
+    WEIGHT_INT5 = 6,
+    WEIGHT_Q4_K = 7,
+    WEIGHT_Q5_K = 8,
+    WEIGHT_Q6_K = 9,
+    WEIGHT_MIXED = 10,
 };
 
 struct weight {
@@ -64,11 +91,18 @@ struct weight {
     /* The shape of the codes, derived by the caller so no loop divides: blocks of 32 per row
      * (codes padded to them), groups per row (a group, for int4 and nf4, is 32, 64 or 128
      * columns: one scale), and log2(group / 32), which takes a block's index to its group's. A
-     * 64-bit division per row or block cost as much as a row's products on the narrow layers. */
+     * 64-bit division per row or block cost as much as a row's products on the narrow layers.
+     * A K-quant's every block has its own scale: groups = blocks. */
     int64_t blocks, groups, group_shift;
+    const struct weight *parts; /* WEIGHT_MIXED: num_parts weights of these cols, their rows stacked */
+    int64_t num_parts;
 };
 
 #define QBLOCK 32
+#define QK_BLOCKS 8 /* blocks of 32 in a K-quant super-block */
+#define Q4_K_BYTES 144
+#define Q5_K_BYTES 176
+#define Q6_K_BYTES 210
 #define QPANEL 4 /* weight rows per dequantized panel in qmatmul */
 #define QTILE 3  /* activation rows per tile of the panel product: QTILE x QPANEL accumulators */
 
@@ -107,6 +141,10 @@ static inline int64_t row_bytes(const struct weight *w) {
         case WEIGHT_INT8:
         case WEIGHT_FP8: return w->cols;
         case WEIGHT_Q8_0: return blocks_per_row(w) * 34;
+        case WEIGHT_INT5: return blocks_per_row(w) * 20;
+        case WEIGHT_Q4_K: return blocks_per_row(w) / QK_BLOCKS * Q4_K_BYTES;
+        case WEIGHT_Q5_K: return blocks_per_row(w) / QK_BLOCKS * Q5_K_BYTES;
+        case WEIGHT_Q6_K: return blocks_per_row(w) / QK_BLOCKS * Q6_K_BYTES;
         default: return blocks_per_row(w) * (QBLOCK / 2);
     }
 }
@@ -123,6 +161,181 @@ static inline void prefetch_codes(const void *data, int64_t from, int64_t bytes)
     const char *p = (const char *)data + from + QPREFETCH_BYTES;
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
+
+/* ---- a block's 32 codes as bytes in element order (`codes32`: a register with AVX2) --------
+ * The formats whose codes are not whole bytes as stored (INT5, the K-quants) assemble them here
+ * once, for every product: shifts and masks of 32 bytes at a time. */
+#ifdef __AVX2__
+typedef __m256i codes32;
+static inline codes32 load_codes(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline codes32 unpack_codes(const uint8_t *q) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+/* (c >> shift) & mask in every byte: the shift is of 16-bit lanes, so `mask` must drop the bits
+ * it brings down from the next byte (every use keeps at most 8 - shift bits). */
+static inline codes32 codes_shift_mask(codes32 c, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(c, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+static inline codes32 codes_or(codes32 a, codes32 b) { return _mm256_or_si256(a, b); }
+static inline codes32 codes_times16(codes32 c) { return _mm256_slli_epi16(c, 4); } /* bytes < 16 */
+static inline codes32 codes_minus(codes32 c, int k) { return _mm256_sub_epi8(c, _mm256_set1_epi8((char)k)); }
+/* byte t: 16 where bit t of `bits` is set, else 0 (byte t / 8 of the word to byte t, then its bit) */
+static inline codes32 codes_bits16(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+static inline void store_codes(void *out, codes32 c) { _mm256_storeu_si256((__m256i *)out, c); }
+#else
+typedef struct { int8_t v[QBLOCK]; } codes32;
+static inline codes32 load_codes(const void *p) {
+    codes32 c;
+    memcpy(c.v, p, QBLOCK);
+    return c;
+}
+static inline codes32 unpack_codes(const uint8_t *q) {
+    codes32 c;
+    for (int t = 0; t < 16; t++) c.v[t] = (int8_t)(q[t] & 0x0F), c.v[t + 16] = (int8_t)(q[t] >> 4);
+    return c;
+}
+static inline codes32 codes_shift_mask(codes32 c, int shift, int mask) {
+    for (int t = 0; t < QBLOCK; t++) c.v[t] = (int8_t)(((uint8_t)c.v[t] >> shift) & mask);
+    return c;
+}
+static inline codes32 codes_or(codes32 a, codes32 b) {
+    for (int t = 0; t < QBLOCK; t++) a.v[t] |= b.v[t];
+    return a;
+}
+static inline codes32 codes_times16(codes32 c) {
+    for (int t = 0; t < QBLOCK; t++) c.v[t] = (int8_t)(c.v[t] * 16);
+    return c;
+}
+static inline codes32 codes_minus(codes32 c, int k) {
+    for (int t = 0; t < QBLOCK; t++) c.v[t] = (int8_t)(c.v[t] - k);
+    return c;
+}
+static inline codes32 codes_bits16(uint32_t bits) {
+    codes32 c;
+    for (int t = 0; t < QBLOCK; t++) c.v[t] = (int8_t)((bits >> t & 1) * 16);
+    return c;
+}
+static inline void store_codes(void *out, codes32 c) { memcpy(out, c.v, QBLOCK); }
+#endif
+
+static inline const uint8_t *int5_block(const struct weight *w, int64_t j, int64_t b) {
+    return (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 20;
+}
+
+static inline codes32 block_codes_int5(const struct weight *w, int64_t j, int64_t b) {
+    const uint8_t *block = int5_block(w, j, b);
+    uint32_t high;
+    memcpy(&high, block, 4);
+    return codes_or(unpack_codes(block + 4), codes_bits16(high));
+}
+
+/* The K-quant super-block (of `bytes`) that holds block b of row j. */
+static inline const uint8_t *kq_super(const struct weight *w, int64_t j, int64_t b, int64_t bytes) {
+    return (const uint8_t *)w->data + (j * (blocks_per_row(w) / QK_BLOCKS) + b / QK_BLOCKS) * bytes;
+}
+
+static inline codes32 block_codes_q4_k(const struct weight *w, int64_t j, int64_t b) {
+    const int k = (int)(b % QK_BLOCKS);
+    return codes_shift_mask(load_codes(kq_super(w, j, b, Q4_K_BYTES) + 16 + 32 * (k / 2)), 4 * (k % 2), 0x0F);
+}
+
+static inline codes32 block_codes_q5_k(const struct weight *w, int64_t j, int64_t b) {
+    const uint8_t *s = kq_super(w, j, b, Q5_K_BYTES);
+    const int k = (int)(b % QK_BLOCKS);
+    return codes_or(codes_shift_mask(load_codes(s + 48 + 32 * (k / 2)), 4 * (k % 2), 0x0F),
+                    codes_times16(codes_shift_mask(load_codes(s + 16), k, 0x01)));
+}
+
+/* q in 0..63: the weight is d * sc * (q - 32) */
+static inline codes32 block_codes_q6_k(const struct weight *w, int64_t j, int64_t b) {
+    const uint8_t *s = kq_super(w, j, b, Q6_K_BYTES);
+    const int k = (int)(b % QK_BLOCKS);
+    return codes_or(codes_shift_mask(load_codes(s + 64 * (k / 4) + 32 * (k % 2)), 4 * (k / 2 % 2), 0x0F),
+                    codes_times16(codes_shift_mask(load_codes(s + 128 + 32 * (k / 4)), 2 * (k % 4), 0x03)));
+}
+
+/* Block k's 6-bit scale and minimum from a Q4_K/Q5_K super-block's 12 bytes (ggml's get_scale_min_k4). */
+static inline void kq_scale_min(const uint8_t *q, int k, int *sc, int *m) {
+    if (k < 4) {
+        *sc = q[k] & 63, *m = q[k + 4] & 63;
+    } else {
+        *sc = (q[k + 4] & 0x0F) | (q[k - 4] >> 6) << 4;
+        *m = (q[k + 4] >> 4) | (q[k] >> 6) << 4;
+    }
+}
+
+/* Block b's scale d * sc and offset -dmin * m: w = scale * q + offset. */
+static inline void kq_block_scale(const uint8_t *super, int64_t b, float *scale, float *offset) {
+    uint16_t h[2];
+    memcpy(h, super, 4);
+    int sc, m;
+    kq_scale_min(super + 4, (int)(b % QK_BLOCKS), &sc, &m);
+    *scale = load_f16_scalar(h[0]) * (float)sc;
+    *offset = -load_f16_scalar(h[1]) * (float)m;
+}
+
+/* Every block's scale and offset of row j, [blocks] each: a super-block's 8 pairs unpacked at
+ * once, 4 at a time in 32-bit words (bytes 0-3: sc_0..3, 4-7: sc_4..7, 8-11: m_0..3, 12-15: m_4..7). */
+static inline void kq_row_scales(const struct weight *w, int64_t j, int64_t bytes, float *restrict scales,
+                                 float *restrict offsets) {
+    const int64_t supers = blocks_per_row(w) / QK_BLOCKS;
+    const uint8_t *s = (const uint8_t *)w->data + j * supers * bytes;
+    for (int64_t sb = 0; sb < supers; sb++, s += bytes) {
+        uint32_t u[4];
+        uint16_t h[2];
+        memcpy(u, s + 4, 12);
+        memcpy(h, s, 4);
+        u[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 6) & 0x03030303u) << 4;
+        const uint32_t low_mins = u[1] & 0x3F3F3F3Fu;
+        u[1] = (u[2] & 0x0F0F0F0Fu) | ((u[0] >> 6) & 0x03030303u) << 4;
+        u[2] = low_mins;
+        u[0] &= 0x3F3F3F3Fu;
+        uint8_t v[16];
+        memcpy(v, u, 16);
+        const float d = load_f16_scalar(h[0]), dmin = load_f16_scalar(h[1]);
+        for (int k = 0; k < QK_BLOCKS; k++) {
+            scales[sb * QK_BLOCKS + k] = d * (float)v[k];
+            offsets[sb * QK_BLOCKS + k] = -dmin * (float)v[k + 8];
+        }
+    }
+}
+
+static inline float q6k_d(const uint8_t *super) {
+    uint16_t h;
+    memcpy(&h, super + 208, 2);
+    return load_f16_scalar(h);
+}
+
+/* Q6_K row j's scales of each block's two halves: first[b] (columns 0-15), second[b] (16-31). */
+static inline void q6k_row_scales(const struct weight *w, int64_t j, float *restrict first, float *restrict second) {
+    const int64_t supers = blocks_per_row(w) / QK_BLOCKS;
+    const uint8_t *s = (const uint8_t *)w->data + j * supers * Q6_K_BYTES;
+    for (int64_t sb = 0; sb < supers; sb++, s += Q6_K_BYTES) {
+        const float d = q6k_d(s);
+        const int8_t *sc = (const int8_t *)(s + 192);
+        for (int k = 0; k < QK_BLOCKS; k++) {
+            first[sb * QK_BLOCKS + k] = d * (float)sc[2 * k];
+            second[sb * QK_BLOCKS + k] = d * (float)sc[2 * k + 1];
+        }
+    }
+}
+
+/* Two floats per block of row j, for the K-quants, whose scales are unpacked a row at a time:
+ * Q4_K/Q5_K a block's scale and offset, Q6_K its halves' scales. */
+static inline void block_scales_q4_k(const struct weight *w, int64_t j, float *first, float *second) {
+    kq_row_scales(w, j, Q4_K_BYTES, first, second);
+}
+static inline void block_scales_q5_k(const struct weight *w, int64_t j, float *first, float *second) {
+    kq_row_scales(w, j, Q5_K_BYTES, first, second);
+}
+#define block_scales_q6_k q6k_row_scales
 
 static inline void dequant_int8(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
     const int8_t *q = (const int8_t *)w->data + j * w->cols + b * QBLOCK;
@@ -186,6 +399,38 @@ static inline void dequant_q8_0(const struct weight *w, int64_t j, int64_t b, fl
     const int8_t *q = (const int8_t *)(block + 2);
     _Pragma("omp simd")
     for (int t = 0; t < QBLOCK; t++) out[t] = s * (float)q[t];
+}
+
+/* A block from its codes: element t is (t < 16 ? first : second) * code + offset. */
+static inline void dequant_codes(codes32 c, float first, float second, float offset, float *restrict out) {
+    int8_t q[QBLOCK];
+    store_codes(q, c);
+    for (int t = 0; t < QBLOCK; t++) out[t] = (t < 16 ? first : second) * (float)q[t] + offset;
+}
+
+static inline void dequant_int5(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
+    const float s = group_scale(w, g);
+    dequant_codes(block_codes_int5(w, j, b), s, s, group_min(w, g), out);
+}
+
+static inline void dequant_q4_k(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    float d, m;
+    kq_block_scale(kq_super(w, j, b, Q4_K_BYTES), b, &d, &m);
+    dequant_codes(block_codes_q4_k(w, j, b), d, d, m, out);
+}
+
+static inline void dequant_q5_k(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    float d, m;
+    kq_block_scale(kq_super(w, j, b, Q5_K_BYTES), b, &d, &m);
+    dequant_codes(block_codes_q5_k(w, j, b), d, d, m, out);
+}
+
+static inline void dequant_q6_k(const struct weight *w, int64_t j, int64_t b, float *restrict out) {
+    const uint8_t *s = kq_super(w, j, b, Q6_K_BYTES);
+    const int8_t *sc = (const int8_t *)(s + 192) + 2 * (b % QK_BLOCKS);
+    const float d = q6k_d(s);
+    dequant_codes(codes_minus(block_codes_q6_k(w, j, b), 32), d * (float)sc[0], d * (float)sc[1], 0.0f, out);
 }
 
 /* ---- products ------------------------------------------------------------------------------ */
@@ -286,7 +531,7 @@ static inline __m256 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 
 
 /* The same with each block kept in registers as its codes (unscaled), and the block's scale
  * applied once per block per row: sum_t (d q_t + m) x_t = d (sum_t q_t x_t) + m sum_t x_t, the
- * minimums' part added per group at the end (group_offsets). Two weight rows at a time share
+ * minimums' part added per group at the end (row_offsets). Two weight rows at a time share
  * each load of x and give the core two independent chains of adds. */
 #define DEFINE_QDOT(NAME, FMT, HAS_MIN, ROWS, WROWS)                                                      \
     static inline void NAME(const struct weight *w, int64_t j, const float *restrict x,                   \
@@ -296,8 +541,8 @@ static inline __m256 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 
         for (int r = 0; r < WROWS; r++)                                                                   \
             for (int i = 0; i < ROWS; i++) acc[r][i] = vf_zero();                                         \
         float rs[WROWS][GROUPED_##FMT ? w->groups + VLANES : 1];                                         \
-        for (int r = 0; GROUPED_##FMT && r < WROWS; r++)                                                  \
-            halves_to_floats_n((const uint16_t *)w->scales + (j + r) * w->groups, w->groups, rs[r]);       \
+        float rm[WROWS][GROUPED_##FMT && HAS_MIN ? w->groups + VLANES : 1];                               \
+        for (int r = 0; GROUPED_##FMT && r < WROWS; r++) row_scales_##FMT(w, j + r, rs[r], rm[r]);        \
         for (int64_t b = 0; b < full; b++) {                                                              \
             vfloat q[WROWS][QVECS], scale[WROWS];                                                         \
             for (int r = 0; r < WROWS; r++) {                                                             \
@@ -318,20 +563,26 @@ static inline __m256 vf_load_first(const float *p, int64_t n) { /* p[0, n), n < 
         }                                                                                                 \
         for (int r = 0; r < WROWS; r++)                                                                   \
             for (int i = 0; i < ROWS; i++) {                                                              \
-                if (HAS_MIN) acc[r][i] = group_offsets(w, j + r, gsum + i * w->groups, acc[r][i]);        \
+                if (HAS_MIN) acc[r][i] = row_offsets_##FMT(w, j + r, rm[r], gsum + i * w->groups, acc[r][i]); \
                 sums[r * ROWS + i] = vf_sum(acc[r][i]) + qdot_tail_##FMT(w, j + r, x + i * k);            \
             }                                                                                             \
     }
 
-/* Whether a format keeps f16 scales per group (GROUPED_FORMATS in quant/formats.py). DEFINE_QDOT
- * converts such a row's scales to floats once, VLANES at a time, before its blocks: converting one
- * per block (a load, a conversion and a broadcast) made the product slower than f32 scales, whose
- * broadcast folds into the FMA's memory operand. */
+/* Whether a format has a scale per group that DEFINE_QDOT reads from a row's floats, made once
+ * per row (row_scales): the f16 scales of int4, nf4 and int5 (GROUPED_FORMATS in
+ * quant/formats.py), VLANES at a time, and the K-quants' 6-bit ones with their minimums. Converting
+ * one per block (a load, a conversion and a broadcast) made the product slower than f32 scales,
+ * whose broadcast folds into the FMA's memory operand. Q6_K has one f16 scale per super-block: its
+ * codes come out of codes_q6_k times their half's integer scale. */
 #define GROUPED_int4 1
 #define GROUPED_nf4 1
+#define GROUPED_int5 1
+#define GROUPED_q4_k 1
+#define GROUPED_q5_k 1
 #define GROUPED_int8 0
 #define GROUPED_fp8 0
 #define GROUPED_q8_0 0
+#define GROUPED_q6_k 0
 
 /* n halves -> floats, VLANES at a time (dst has room for n rounded up to VLANES) */
 static inline void halves_to_floats_n(const uint16_t *restrict src, int64_t n, float *restrict dst) {
@@ -348,6 +599,54 @@ static inline vfloat group_offsets(const struct weight *w, int64_t j, const floa
     if (g < w->groups) acc = vf_fmadd(vf_load_halves_first(mins + g, w->groups - g), vf_load_first(gsum + g, w->groups - g), acc);
     return acc;
 }
+
+/* Each format's row scales (rs per group; rm, the minimums as floats, where row_offsets reads
+ * them) and its minimums' part of a product (rm, or the f16 minimums, with the activation's sums
+ * per group). The formats without them never call theirs. */
+static inline void row_scales_halves(const struct weight *w, int64_t j, float *restrict rs, float *restrict rm) {
+    (void)rm;
+    halves_to_floats_n((const uint16_t *)w->scales + j * w->groups, w->groups, rs);
+}
+static inline void row_scales_none(const struct weight *w, int64_t j, float *restrict rs, float *restrict rm) {
+    (void)w, (void)j, (void)rs, (void)rm;
+}
+#define row_scales_int4 row_scales_halves
+#define row_scales_nf4 row_scales_halves
+#define row_scales_int5 row_scales_halves
+#define row_scales_q4_k block_scales_q4_k
+#define row_scales_q5_k block_scales_q5_k
+#define row_scales_int8 row_scales_none
+#define row_scales_fp8 row_scales_none
+#define row_scales_q8_0 row_scales_none
+#define row_scales_q6_k row_scales_none
+
+static inline vfloat row_offsets_halves(const struct weight *w, int64_t j, const float *restrict rm,
+                                        const float *restrict gsum, vfloat acc) {
+    (void)rm;
+    return group_offsets(w, j, gsum, acc);
+}
+static inline vfloat row_offsets_floats(const struct weight *w, int64_t j, const float *restrict rm,
+                                        const float *restrict gsum, vfloat acc) {
+    (void)j;
+    int64_t g = 0;
+    for (; g + VLANES <= w->groups; g += VLANES) acc = vf_fmadd(vf_load(rm + g), vf_load(gsum + g), acc);
+    if (g < w->groups) acc = vf_fmadd(vf_load_first(rm + g, w->groups - g), vf_load_first(gsum + g, w->groups - g), acc);
+    return acc;
+}
+static inline vfloat row_offsets_none(const struct weight *w, int64_t j, const float *restrict rm,
+                                      const float *restrict gsum, vfloat acc) {
+    (void)w, (void)j, (void)rm, (void)gsum;
+    return acc;
+}
+#define row_offsets_int4 row_offsets_halves
+#define row_offsets_int5 row_offsets_halves
+#define row_offsets_q4_k row_offsets_floats
+#define row_offsets_q5_k row_offsets_floats
+#define row_offsets_int8 row_offsets_none
+#define row_offsets_fp8 row_offsets_none
+#define row_offsets_nf4 row_offsets_none
+#define row_offsets_q8_0 row_offsets_none
+#define row_offsets_q6_k row_offsets_none
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -473,6 +772,47 @@ static inline void codes_q8_0(const struct weight *w, int64_t j, int64_t b, vflo
     *d = load_f16_scalar(h);
     *m = 0.0f;
 }
+
+/* A block's codes (signed bytes) as QVECS float vectors, in element order. */
+static inline void codes_to_floats(codes32 c, vfloat q[QVECS]) {
+    const __m128i low = _mm256_castsi256_si128(c), high = _mm256_extracti128_si256(c, 1);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high));
+#else
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(low, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(high));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(high, 8)));
+#endif
+}
+
+static inline void codes_int5(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
+    codes_to_floats(block_codes_int5(w, j, b), q);
+    *d = group_scale(w, g);
+    *m = group_min(w, g);
+}
+
+static inline void codes_q4_k(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    codes_to_floats(block_codes_q4_k(w, j, b), q);
+    kq_block_scale(kq_super(w, j, b, Q4_K_BYTES), b, d, m);
+}
+
+static inline void codes_q5_k(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    codes_to_floats(block_codes_q5_k(w, j, b), q);
+    kq_block_scale(kq_super(w, j, b, Q5_K_BYTES), b, d, m);
+}
+
+/* Q6_K: q - 32 times its half's integer scale (exact in float: 14 bits), d the super-block's. */
+static inline void codes_q6_k(const struct weight *w, int64_t j, int64_t b, vfloat q[QVECS], float *d, float *m) {
+    const uint8_t *s = kq_super(w, j, b, Q6_K_BYTES);
+    const int8_t *sc = (const int8_t *)(s + 192) + 2 * (b % QK_BLOCKS);
+    codes_to_floats(codes_minus(block_codes_q6_k(w, j, b), 32), q);
+    for (int i = 0; i < QVECS; i++) q[i] = vf_mul(q[i], vf_set1((float)sc[i < QVECS / 2 ? 0 : 1]));
+    *d = q6k_d(s);
+    *m = 0.0f;
+}
 #else
 #define DEFINE_QDOT DEFINE_QDOT_PORTABLE
 #define QPAIR_MAX_ROWS 8
@@ -511,8 +851,15 @@ static inline void codes_q8_0(const struct weight *w, int64_t j, int64_t b, vflo
  * integer dot product: 32 multiply-adds in three instructions on AVX2 (`maddubs`, `madd`), 64 in
  * one with AVX512-VNNI (`vpdpbusd`, DEFINE_QDOT_VNNI), where the float path converts every weight
  * to float first. Faster, and no longer equal to the float
- * product: the activation's rounding adds ~0.3% relative error per block. int8, q8_0 and int4
- * weights have this path; fp8 and nf4 values are not integers.
+ * product: the activation's rounding adds ~0.3% relative error per block. int8, q8_0, int4, int5
+ * and the K-quants have this path; fp8 and nf4 values are not integers.
+ *
+ * The K-quants round activations per 32 too, where llama.cpp rounds them per 256 (Q8_K, with
+ * sums per 16): a K-quant block of 32 has a scale of its own (Q6_K one per 16, applied per lane),
+ * so a scale per 32 of x costs one multiply per block that the weight's scale costs anyway; the
+ * rounding is finer (each step follows 32 values' largest, not 256's); and every format rounds x
+ * alike, so a fused weight whose parts differ in format (WEIGHT_MIXED) rounds it once for all of
+ * them, into the one scratch layout of the batched product (quant_gemm.h).
  *
  * Activations: q [m, full * 32] int8, d [m, full] scales, s [m, full] = d * sum(q) per block.
  */
@@ -540,71 +887,96 @@ static inline void quantize_activations(const float *restrict x, int64_t m, int6
     }
 }
 
-/* One block's 32 codes as int8 in element order (`codes32`: a register on AVX2), with its scale
- * d and offset m: w = d * code + m. */
+/* A block's integer dot product weighs its two halves' sums of products (`mult16`): by 1, or by
+ * Q6_K's integer scales of its halves, so Q6_K's block sum stays one exact integer. */
 #ifdef __AVX2__
-typedef __m256i codes32;
-static inline codes32 load_codes(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline codes32 unpack_codes(const uint8_t *q) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)q);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+typedef __m256i mult16; /* int16 weights of the 16 pairs of products: the first 8 pairs are columns 0-15 */
+static inline mult16 mult_ones(void) { return _mm256_set1_epi16(1); }
+static inline mult16 mult_halves(int first, int second) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)second), _mm_set1_epi16((short)first));
 }
-
 /* sum over 32 int8 pairs, as 8 float lanes. maddubs multiplies unsigned by signed bytes, so a
  * signed left operand lends its sign to the right one (|a| * sign(a) x); pairs of products fit
  * int16 as |a|, |x| <= 127. */
-static inline __m256 idot32(codes32 a, const int8_t *x) {
+static inline __m256 idot32(codes32 a, mult16 mult, const int8_t *x) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(xv, a));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, mult));
 }
 #define IDOT_ACC __m256
 #define IDOT_ZERO _mm256_setzero_ps()
-#define IDOT_FMA(acc, a, x, scale) acc = _mm256_fmadd_ps(idot32(a, x), _mm256_set1_ps(scale), acc)
+#define IDOT_FMA(acc, a, mult, x, scale) acc = _mm256_fmadd_ps(idot32(a, mult, x), _mm256_set1_ps(scale), acc)
 #define IDOT_SUM(acc) hsum(acc)
 #else
-typedef struct { int8_t v[QBLOCK]; } codes32;
-static inline codes32 load_codes(const void *p) {
-    codes32 c;
-    memcpy(c.v, p, QBLOCK);
-    return c;
-}
-static inline codes32 unpack_codes(const uint8_t *q) {
-    codes32 c;
-    for (int t = 0; t < 16; t++) c.v[t] = (int8_t)(q[t] & 0x0F), c.v[t + 16] = (int8_t)(q[t] >> 4);
-    return c;
-}
-static inline float idot32(codes32 a, const int8_t *x) {
-    int32_t s = 0;
-    for (int t = 0; t < QBLOCK; t++) s += (int32_t)a.v[t] * x[t];
-    return (float)s;
+typedef struct { int16_t half[2]; } mult16;
+static inline mult16 mult_ones(void) { return (mult16){{1, 1}}; }
+static inline mult16 mult_halves(int first, int second) { return (mult16){{(int16_t)first, (int16_t)second}}; }
+static inline float idot32(codes32 a, mult16 mult, const int8_t *x) {
+    int32_t s[2] = {0, 0};
+    for (int t = 0; t < QBLOCK; t++) s[t / 16] += (int32_t)a.v[t] * x[t];
+    return (float)(s[0] * mult.half[0] + s[1] * mult.half[1]);
 }
 #define IDOT_ACC float
 #define IDOT_ZERO 0.0f
-#define IDOT_FMA(acc, a, x, scale) acc += idot32(a, x) * (scale)
+#define IDOT_FMA(acc, a, mult, x, scale) acc += idot32(a, mult, x) * (scale)
 #define IDOT_SUM(acc) (acc)
 #endif
 
-static inline codes32 icodes_int8(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+/* One block's 32 codes as int8 in element order, with its scale d, offset m (w = d * code + m)
+ * and its halves' weights. */
+static inline codes32 icodes_int8(const struct weight *w, int64_t j, int64_t b, float *d, float *m, mult16 *mult) {
     *d = row_scale(w, j);
     *m = 0.0f;
+    *mult = mult_ones();
     return load_codes((const int8_t *)w->data + j * w->cols + b * QBLOCK);
 }
 
-static inline codes32 icodes_q8_0(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+static inline codes32 icodes_q8_0(const struct weight *w, int64_t j, int64_t b, float *d, float *m, mult16 *mult) {
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
     uint16_t h;
     memcpy(&h, block, 2);
     *d = load_f16_scalar(h);
     *m = 0.0f;
+    *mult = mult_ones();
     return load_codes(block + 2);
 }
 
-static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, float *d, float *m) {
+static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, float *d, float *m, mult16 *mult) {
     const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
     *d = group_scale(w, g);
     *m = group_min(w, g);
+    *mult = mult_ones();
     return unpack_codes((const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2));
+}
+
+static inline codes32 icodes_int5(const struct weight *w, int64_t j, int64_t b, float *d, float *m, mult16 *mult) {
+    const int64_t g = j * groups_per_row(w) + group_of_block(w, b);
+    *d = group_scale(w, g);
+    *m = group_min(w, g);
+    *mult = mult_ones();
+    return block_codes_int5(w, j, b);
+}
+
+static inline codes32 icodes_q4_k(const struct weight *w, int64_t j, int64_t b, float *d, float *m, mult16 *mult) {
+    kq_block_scale(kq_super(w, j, b, Q4_K_BYTES), b, d, m);
+    *mult = mult_ones();
+    return block_codes_q4_k(w, j, b);
+}
+
+static inline codes32 icodes_q5_k(const struct weight *w, int64_t j, int64_t b, float *d, float *m, mult16 *mult) {
+    kq_block_scale(kq_super(w, j, b, Q5_K_BYTES), b, d, m);
+    *mult = mult_ones();
+    return block_codes_q5_k(w, j, b);
+}
+
+/* Q6_K: codes q - 32 (|c| <= 32), weighed by the halves' int8 scales; d the super-block's */
+static inline codes32 icodes_q6_k(const struct weight *w, int64_t j, int64_t b, float *d, float *m, mult16 *mult) {
+    const uint8_t *s = kq_super(w, j, b, Q6_K_BYTES);
+    const int8_t *sc = (const int8_t *)(s + 192) + 2 * (b % QK_BLOCKS);
+    *d = q6k_d(s);
+    *m = 0.0f;
+    *mult = mult_halves(sc[0], sc[1]);
+    return codes_minus(block_codes_q6_k(w, j, b), 32);
 }
 
 #define DEFINE_QDOT_A8(NAME, FMT, ROWS)                                                                   \
@@ -617,9 +989,10 @@ static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, 
         for (int i = 0; i < ROWS; i++) acc[i] = IDOT_ZERO, offsets[i] = 0.0f;                             \
         for (int64_t b = 0; b < full; b++) {                                                              \
             float d, offset;                                                                              \
-            const codes32 c = icodes_##FMT(w, j, b, &d, &offset);                                         \
+            mult16 mult;                                                                                  \
+            const codes32 c = icodes_##FMT(w, j, b, &d, &offset, &mult);                                  \
             for (int i = 0; i < ROWS; i++) {                                                              \
-                IDOT_FMA(acc[i], c, xq + (i * full + b) * QBLOCK, d * xd[i * full + b]);                  \
+                IDOT_FMA(acc[i], c, mult, xq + (i * full + b) * QBLOCK, d * xd[i * full + b]);            \
                 offsets[i] += offset * xs[i * full + b];                                                  \
             }                                                                                             \
         }                                                                                                 \
@@ -629,16 +1002,21 @@ static inline codes32 icodes_int4(const struct weight *w, int64_t j, int64_t b, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* With AVX512-VNNI one `vpdpbusd` multiplies 64 unsigned by 64 signed bytes and adds them in fours
  * into 16 int32 lanes: two blocks' products in one instruction, where AVX2 takes three per block.
- * Its left operand is unsigned, which int4 codes (0..15) are. int8 and Q8_0 codes q are read as
- * q + 128 (one xor); the 128 sum(x_q) that adds is taken back in the same FMA (`xsv`).
+ * Its left operand is unsigned, which int4, int5 and K-quant codes (0..15, 0..31, Q6_K's 0..63)
+ * are. int8 and Q8_0 codes q are read as q + 128 (one xor); that and Q6_K's - 32 are each format's
+ * code offset (VNNI_OFFSET: w = scale * (code + offset)), taken back in the same FMA (`xsv`).
  *
  * A pair of blocks b, b + 1 becomes 64 codes in element order, so x's int8 blocks are read as
- * stored; lanes 0-7 of the product belong to block b and 8-15 to b + 1. Per pair and activation
- * row, what depends only on x is laid out once per call in those lanes: xdv = d_x / xsv =
- * -16 d_x sum(x_q) (eight lanes of -16 add up to -128). A weight row then costs, per pair, its
- * codes and its scales' vector (`wsv`), and per activation row a product, a conversion and two
- * FMAs. An odd last block is a pair whose second half is zero (codes, and x's lanes). */
+ * stored; lanes 0-7 of the product belong to block b and 8-15 to b + 1, each lane the sum of 4
+ * consecutive products (lanes 0-3: block b's first 16 columns, where Q6_K's first scale applies).
+ * Per pair and activation row, what depends only on x is laid out once per call in those lanes:
+ * xdv = d_x / xsv = offset * d_x * (the lane's 4 codes of x summed), exact whatever scale a lane
+ * has. A weight row then costs, per pair, its codes and its scales' vector (`wsv`, a scale per
+ * lane), and per activation row a product, a conversion and two FMAs. An odd last block is a
+ * pair whose second half is zero (codes, and x's lanes). */
 #define VNNI_PAIR_LANES _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+
+#define VNNI_QUAD_LANES _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
 
 static inline __m512 vnni_pair_of(float first, float second) {
     return _mm512_permutexvar_ps(VNNI_PAIR_LANES, _mm512_castps128_ps512(_mm_setr_ps(first, second, 0.0f, 0.0f)));
@@ -672,8 +1050,63 @@ static inline __m512i vnni_codes_int4(const struct weight *w, int64_t j, int64_t
     return _mm512_and_si512(_mm512_srlv_epi64(twice, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
 }
 
-/* int4: row j's group scales per block, ws [blocks + 1 + VLANES] (the one past the last 0). */
-static inline void vnni_row_scales_int4(const struct weight *w, int64_t j, int64_t full, float *ws) {
+/* int5: int4's nibbles, and the fifth bits straight from the blocks' words as a byte mask */
+static inline __m512i vnni_codes_int5(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
+    const uint8_t *block = int5_block(w, j, b);
+    const int two = (uint32_t)(half >> 32) != 0;
+    uint32_t high[2] = {0, 0};
+    memcpy(high, block, 4);
+    if (two) memcpy(high + 1, block + 20, 4);
+    const __m128i first = _mm_loadu_si128((const __m128i *)(block + 4));
+    const __m256i raw = two ? _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(block + 24)), first)
+                            : _mm256_castsi128_si256(first);
+    const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(raw));
+    const __m512i low = _mm512_and_si512(_mm512_srlv_epi64(twice, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+                                         _mm512_set1_epi8(0x0F));
+    return _mm512_mask_add_epi8(low, (__mmask64)high[0] | (__mmask64)high[1] << 32, low, _mm512_set1_epi8(16));
+}
+
+/* A K-quant pair is blocks k, k + 1 (k even) of one super-block, and a row holds whole
+ * super-blocks: `half` is always both. Their codes come from the same 32 or 64 bytes. */
+static inline __m512i vnni_twice(const uint8_t *p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+}
+
+/* (v >> first) & mask in the pair's first 32 bytes, (v >> second) & mask in the others */
+static inline __m512i vnni_shift_mask(__m512i v, int64_t first, int64_t second, int mask) {
+    const __m512i by = _mm512_inserti64x4(_mm512_set1_epi64(first), _mm256_set1_epi64x(second), 1);
+    return _mm512_and_si512(_mm512_srlv_epi64(v, by), _mm512_set1_epi8((char)mask));
+}
+
+static inline __m512i vnni_codes_q4_k(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
+    (void)half;
+    return vnni_shift_mask(vnni_twice(kq_super(w, j, b, Q4_K_BYTES) + 16 + 16 * (b % QK_BLOCKS)), 0, 4, 0x0F);
+}
+
+static inline __m512i vnni_codes_q5_k(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
+    (void)half;
+    const uint8_t *s = kq_super(w, j, b, Q5_K_BYTES);
+    const int64_t k = b % QK_BLOCKS;
+    const __m512i low = vnni_shift_mask(vnni_twice(s + 48 + 16 * k), 0, 4, 0x0F);
+    return _mm512_or_si512(low, _mm512_slli_epi64(vnni_shift_mask(vnni_twice(s + 16), k, k + 1, 0x01), 4));
+}
+
+/* q in 0..63: the pair's low nibbles are 64 bytes in a row (one shift), its high bits one 32 bytes twice */
+static inline __m512i vnni_codes_q6_k(const struct weight *w, int64_t j, int64_t b, __mmask64 half) {
+    (void)half;
+    const uint8_t *s = kq_super(w, j, b, Q6_K_BYTES);
+    const int64_t k = b % QK_BLOCKS, shift = 4 * (k / 2 % 2);
+    const __m512i low = vnni_shift_mask(_mm512_loadu_si512(s + 64 * (k / 4)), shift, shift, 0x0F);
+    const __m512i high = vnni_shift_mask(vnni_twice(s + 128 + 32 * (k / 4)), 2 * (k % 4), 2 * (k % 4) + 2, 0x03);
+    return _mm512_or_si512(low, _mm512_slli_epi64(high, 4));
+}
+
+/* Row j's scales per block, ws [blocks + 1 + VLANES] (the one past the last 0), and per block
+ * what else its pairs' scales need, wm (the K-quants' offsets for row_offsets, Q6_K's second
+ * half's scales): read once per row. int4, int5: the group scales. */
+static inline void vnni_row_scales_int4(const struct weight *w, int64_t j, int64_t full, float *ws, float *wm) {
+    (void)wm;
     const uint16_t *scales = (const uint16_t *)w->scales + j * w->groups;
     if (w->group_shift == 0) {
         halves_to_floats_n(scales, full, ws);
@@ -683,27 +1116,53 @@ static inline void vnni_row_scales_int4(const struct weight *w, int64_t j, int64
     ws[full] = 0.0f;
 }
 
-static inline void vnni_row_scales_none(const struct weight *w, int64_t j, int64_t full, float *ws) {
-    (void)w, (void)j, (void)full, (void)ws; /* int8: one scale per row; Q8_0: read with the codes */
+static inline void vnni_row_scales_none(const struct weight *w, int64_t j, int64_t full, float *ws, float *wm) {
+    (void)w, (void)j, (void)full, (void)ws, (void)wm; /* int8: one scale per row; Q8_0: read with the codes */
 }
+
+/* The K-quants' rows have whole super-blocks: an even number of blocks, no pad to zero. */
+static inline void vnni_row_scales_q4_k(const struct weight *w, int64_t j, int64_t full, float *ws, float *wm) {
+    (void)full;
+    block_scales_q4_k(w, j, ws, wm);
+}
+static inline void vnni_row_scales_q5_k(const struct weight *w, int64_t j, int64_t full, float *ws, float *wm) {
+    (void)full;
+    block_scales_q5_k(w, j, ws, wm);
+}
+static inline void vnni_row_scales_q6_k(const struct weight *w, int64_t j, int64_t full, float *ws, float *wm) {
+    (void)full;
+    block_scales_q6_k(w, j, ws, wm);
+}
+#define vnni_row_scales_int5 vnni_row_scales_int4
 #define vnni_row_scales_int8 vnni_row_scales_none
 #define vnni_row_scales_q8_0 vnni_row_scales_none
 
 /* The weight scales of blocks b, b + 1 in the pair's lanes, from what vnni_row_scales prepared. */
-static inline __m512 vnni_scales_int8(const struct weight *w, int64_t j, int64_t b, const float *ws) {
-    (void)b, (void)ws;
+static inline __m512 vnni_scales_int8(const struct weight *w, int64_t j, int64_t b, const float *ws, const float *wm) {
+    (void)b, (void)ws, (void)wm;
     return _mm512_set1_ps(row_scale(w, j));
 }
 
-static inline __m512 vnni_scales_int4(const struct weight *w, int64_t j, int64_t b, const float *ws) {
-    (void)w, (void)j;
+static inline __m512 vnni_scales_int4(const struct weight *w, int64_t j, int64_t b, const float *ws, const float *wm) {
+    (void)w, (void)j, (void)wm;
     return _mm512_permutexvar_ps(VNNI_PAIR_LANES, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(ws + b)))));
+}
+#define vnni_scales_int5 vnni_scales_int4
+#define vnni_scales_q4_k vnni_scales_int4
+#define vnni_scales_q5_k vnni_scales_int4
+
+/* Q6_K: a scale per half block, 4 lanes each: b's first and second, then b + 1's. */
+static inline __m512 vnni_scales_q6_k(const struct weight *w, int64_t j, int64_t b, const float *ws, const float *wm) {
+    (void)w, (void)j;
+    const __m128 first = _mm_castpd_ps(_mm_load_sd((const double *)(ws + b)));
+    const __m128 second = _mm_castpd_ps(_mm_load_sd((const double *)(wm + b)));
+    return _mm512_permutexvar_ps(VNNI_QUAD_LANES, _mm512_castps128_ps512(_mm_unpacklo_ps(first, second)));
 }
 
 /* Two f16 scales 34 bytes apart, joined into one register for one conversion. A row's scales
  * gathered into an array first was slower (the compiler made the strided loop gathers). */
-static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t b, const float *ws) {
-    (void)ws;
+static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t b, const float *ws, const float *wm) {
+    (void)ws, (void)wm;
     const uint8_t *block = (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34;
     uint16_t first, second = 0;
     memcpy(&first, block, 2);
@@ -712,36 +1171,47 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
     return _mm512_permutexvar_ps(VNNI_PAIR_LANES, _mm512_castps128_ps512(both));
 }
 
-#define VNNI_SIGNED_int8 1
-#define VNNI_SIGNED_q8_0 1
-#define VNNI_SIGNED_int4 0
+/* offset * d_x * (each lane's 4 codes of x summed), in a pair's lanes */
+static inline __m512 vnni_lane_offsets(const int8_t *xq, int64_t two, __m512 xdv, float offset) {
+    const __m512i xv = vnni_load_pair(xq, two ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFF);
+    const __m512i fours = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), xv);
+    return _mm512_mul_ps(_mm512_mul_ps(xdv, _mm512_set1_ps(offset)), _mm512_cvtepi32_ps(fours));
+}
+
+#define VNNI_OFFSET_int8 (-128)
+#define VNNI_OFFSET_q8_0 (-128)
+#define VNNI_OFFSET_q6_k (-32)
+#define VNNI_OFFSET_int4 0
+#define VNNI_OFFSET_int5 0
+#define VNNI_OFFSET_q4_k 0
+#define VNNI_OFFSET_q5_k 0
 
 /* Products of weight row j with ROWS activation rows (x rounded per block: xq; xdv and xsv laid
- * out per pair as above; gxs, for int4, the activation's d * sum(q) per group for the minimums). */
+ * out per pair as above; gxs, for the formats with minimums, the activation's d * sum(q) per group). */
 #define DEFINE_QDOT_VNNI(NAME, FMT, HAS_MIN, ROWS)                                                        \
     static inline void NAME(const struct weight *w, int64_t j, const int8_t *restrict xq,                 \
                             const __m512 *restrict xdv, const __m512 *restrict xsv,                       \
                             const float *restrict gxs, const float *restrict x, float *restrict sums) {   \
         const int64_t k = w->cols, full = k / QBLOCK, pairs = (full + 1) / 2;                             \
-        float ws[full + 1 + VLANES];                                                                      \
-        vnni_row_scales_##FMT(w, j, full, ws);                                                            \
+        float ws[full + 1 + VLANES], wm[full + 1 + VLANES];                                               \
+        vnni_row_scales_##FMT(w, j, full, ws, wm);                                                        \
         __m512 acc[ROWS];                                                                                 \
         for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();                                      \
         for (int64_t p = 0; p < pairs; p++) {                                                             \
             const int64_t b = 2 * p;                                                                      \
             const __mmask64 half = b + 1 < full ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFF;                 \
             const __m512i codes = vnni_codes_##FMT(w, j, b, half);                                        \
-            const __m512 wsv = vnni_scales_##FMT(w, j, b, ws);                                            \
+            const __m512 wsv = vnni_scales_##FMT(w, j, b, ws, wm);                                        \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const __m512i xv = vnni_load_pair(xq + (i * full + b) * QBLOCK, half);                    \
                 const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv)); \
-                const __m512 t = VNNI_SIGNED_##FMT ? _mm512_fmadd_ps(xdv[i * pairs + p], dot, xsv[i * pairs + p]) \
+                const __m512 t = VNNI_OFFSET_##FMT ? _mm512_fmadd_ps(xdv[i * pairs + p], dot, xsv[i * pairs + p]) \
                                                    : _mm512_mul_ps(xdv[i * pairs + p], dot);              \
                 acc[i] = _mm512_fmadd_ps(wsv, t, acc[i]);                                                 \
             }                                                                                             \
         }                                                                                                 \
         for (int i = 0; i < ROWS; i++) {                                                                  \
-            if (HAS_MIN) acc[i] = group_offsets(w, j, gxs + i * w->groups, acc[i]);                       \
+            if (HAS_MIN) acc[i] = row_offsets_##FMT(w, j, wm, gxs + i * w->groups, acc[i]);               \
             sums[i] = _mm512_reduce_add_ps(acc[i]) + qdot_tail_##FMT(w, j, x + i * k);                    \
         }                                                                                                 \
     }
@@ -750,7 +1220,7 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
     DEFINE_QDOT_VNNI(qdot_a8_##FMT##_4, FMT, HAS_MIN, 4)                                                  \
     DEFINE_QDOT_VNNI(qdot_a8_##FMT##_1, FMT, HAS_MIN, 1)                                                  \
     static inline void qmatvec_a8_##FMT(const struct weight *w, const float *restrict x, float *restrict y, \
-                                        int64_t m) {                                                      \
+                                        int64_t ldy, int64_t m) {                                         \
         const int64_t n = w->rows, k = w->cols, full = k / QBLOCK, pairs = (full + 1) / 2;                \
         const float *bias = (const float *)w->bias;                                                       \
         int8_t xq[m * full * QBLOCK + 1];                                                                 \
@@ -763,7 +1233,8 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
             for (int64_t p = 0; p < pairs; p++) {                                                         \
                 const int64_t b = i * full + 2 * p, two = 2 * p + 1 < full;                               \
                 xdv[i * pairs + p] = vnni_pair_of(xd[b], two ? xd[b + 1] : 0.0f);                         \
-                xsv[i * pairs + p] = vnni_pair_of(-16.0f * xs[b], two ? -16.0f * xs[b + 1] : 0.0f);       \
+                if (VNNI_OFFSET_##FMT)                                                                    \
+                    xsv[i * pairs + p] = vnni_lane_offsets(xq + b * QBLOCK, two, xdv[i * pairs + p], VNNI_OFFSET_##FMT); \
             }                                                                                             \
         }                                                                                                 \
         const int64_t bytes = row_bytes(w);                                                               \
@@ -776,7 +1247,7 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
                 const int8_t *xqi = xq + i0 * full * QBLOCK;                                              \
                 if (rows == 4) qdot_a8_##FMT##_4(w, j, xqi, xdv + i0 * pairs, xsv + i0 * pairs, gxs + i0 * w->groups, x + i0 * k, sums); \
                 else qdot_a8_##FMT##_1(w, j, xqi, xdv + i0 * pairs, xsv + i0 * pairs, gxs + i0 * w->groups, x + i0 * k, sums); \
-                for (int64_t i = 0; i < rows; i++) y[(i0 + i) * n + j] = sums[i] + (bias ? bias[j] : 0.0f); \
+                for (int64_t i = 0; i < rows; i++) y[(i0 + i) * ldy + j] = sums[i] + (bias ? bias[j] : 0.0f); \
                 i0 += rows;                                                                               \
             }                                                                                             \
         }                                                                                                 \
@@ -789,7 +1260,7 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
     DEFINE_QDOT_A8(qdot_a8_##FMT##_4, FMT, 4)                                                             \
     DEFINE_QDOT_A8(qdot_a8_##FMT##_1, FMT, 1)                                                             \
     static inline void qmatvec_a8_##FMT(const struct weight *w, const float *restrict x, float *restrict y, \
-                                        int64_t m) {                                                      \
+                                        int64_t ldy, int64_t m) {                                         \
         const int64_t n = w->rows, k = w->cols, full = k / QBLOCK;                                        \
         const float *bias = (const float *)w->bias;                                                       \
         int8_t xq[m * full * QBLOCK + 1];                                                                 \
@@ -804,7 +1275,7 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
                 const int64_t rows = m - i0 >= 4 ? 4 : 1, at = i0 * full;                                 \
                 if (rows == 4) qdot_a8_##FMT##_4(w, j, xq + at * QBLOCK, xd + at, xs + at, x + i0 * k, sums); \
                 else qdot_a8_##FMT##_1(w, j, xq + at * QBLOCK, xd + at, xs + at, x + i0 * k, sums);       \
-                for (int64_t i = 0; i < rows; i++) y[(i0 + i) * n + j] = sums[i] + (bias ? bias[j] : 0.0f); \
+                for (int64_t i = 0; i < rows; i++) y[(i0 + i) * ldy + j] = sums[i] + (bias ? bias[j] : 0.0f); \
                 i0 += rows;                                                                               \
             }                                                                                             \
         }                                                                                                 \
@@ -848,7 +1319,7 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
                                                                                                           \
     /* y [m, rows] = x [m, cols] @ w^T for m <= 8 or so: the weight streamed once, two rows at a time */ \
     static inline void qmatvec_##FMT(const struct weight *w, const float *restrict x, float *restrict y,  \
-                                     int64_t m) {                                                         \
+                                     int64_t ldy, int64_t m) {                                            \
         const int64_t n = w->rows, k = w->cols, groups = w->groups;                                       \
         const float *bias = (const float *)w->bias;                                                       \
         float gsum[HAS_MIN ? m * groups : 1];                                                             \
@@ -868,7 +1339,7 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
                 else QDOT_TILE(FMT, 1, w, j, pair, xi, gi, sums);                                         \
                 for (int64_t r = 0; r <= pair; r++)                                                       \
                     for (int64_t i = 0; i < rows; i++)                                                    \
-                        y[(i0 + i) * n + j + r] = sums[r * rows + i] + (bias ? bias[j + r] : 0.0f);       \
+                        y[(i0 + i) * ldy + j + r] = sums[r * rows + i] + (bias ? bias[j + r] : 0.0f);     \
                 i0 += rows;                                                                               \
             }                                                                                             \
         }                                                                                                 \
@@ -877,21 +1348,22 @@ static inline __m512 vnni_scales_q8_0(const struct weight *w, int64_t j, int64_t
     /* The same for many rows: panels of QPANEL weight rows dequantized into `panel` (this thread's  \
      * scratch, QPANEL * cols floats), then multiplied into every activation row. */                      \
     static inline void qmatmul_##FMT(const struct weight *w, const float *restrict x, float *restrict y,  \
-                                     int64_t m, float *restrict panel) {                                  \
+                                     int64_t ldy, int64_t m, float *restrict panel) {                     \
         const int64_t n = w->rows, k = w->cols;                                                           \
         _Pragma("omp for schedule(static)")                                                               \
         for (int64_t j0 = 0; j0 < n; j0 += QPANEL) {                                                      \
             const int64_t p = n - j0 < QPANEL ? n - j0 : QPANEL;                                          \
             for (int64_t r = 0; r < p; r++) qrow_##FMT(w, j0 + r, panel + r * k);                         \
-            panel_product(panel, p, x, m, k, (const float *)w->bias, j0, y, n);                           \
+            panel_product(panel, p, x, m, k, (const float *)w->bias, j0, y, ldy);                         \
         }                                                                                                 \
     }
 
-/* y[:, j0 : j0 + p] = x [m, k] @ panel [p, k]^T (+ bias), in tiles of QTILE activation rows x
- * the panel's rows: 12 accumulators of 8 lanes held in registers, each x and panel vector loaded
- * once per tile. A short tile or panel repeats its first row rather than branch in the loop. */
+/* y[:, j0 : j0 + p] = x [m, k] @ panel [p, k]^T (+ bias), y's rows ldy apart, in tiles of QTILE
+ * activation rows x the panel's rows: 12 accumulators of 8 lanes held in registers, each x and
+ * panel vector loaded once per tile. A short tile or panel repeats its first row rather than
+ * branch in the loop. */
 static inline void panel_product(const float *restrict panel, int64_t p, const float *restrict x, int64_t m,
-                                 int64_t k, const float *restrict bias, int64_t j0, float *restrict y, int64_t n) {
+                                 int64_t k, const float *restrict bias, int64_t j0, float *restrict y, int64_t ldy) {
     const int64_t k8 = k / 8 * 8;
     for (int64_t i0 = 0; i0 < m; i0 += QTILE) {
         const int64_t mr = m - i0 < QTILE ? m - i0 : QTILE;
@@ -932,7 +1404,7 @@ static inline void panel_product(const float *restrict panel, int64_t p, const f
             for (int64_t r = 0; r < p; r++) {
                 float s = sums[i][r];
                 for (int64_t t = k8; t < k; t++) s += xr[i][t] * wr[r][t];
-                y[(i0 + i) * n + j0 + r] = s + (bias ? bias[j0 + r] : 0.0f);
+                y[(i0 + i) * ldy + j0 + r] = s + (bias ? bias[j0 + r] : 0.0f);
             }
         }
     }
@@ -943,41 +1415,83 @@ DEFINE_QFORMAT(fp8, 0)
 DEFINE_QFORMAT(int4, 1)
 DEFINE_QFORMAT(nf4, 0)
 DEFINE_QFORMAT(q8_0, 0)
+DEFINE_QFORMAT(int5, 1)
+DEFINE_QFORMAT(q4_k, 1)
+DEFINE_QFORMAT(q5_k, 1)
+DEFINE_QFORMAT(q6_k, 0)
 DEFINE_QMATVEC_A8(int8, 0)
 DEFINE_QMATVEC_A8(q8_0, 0)
 DEFINE_QMATVEC_A8(int4, 1)
+DEFINE_QMATVEC_A8(int5, 1)
+DEFINE_QMATVEC_A8(q4_k, 1)
+DEFINE_QMATVEC_A8(q5_k, 1)
+DEFINE_QMATVEC_A8(q6_k, 0)
 
-#define QUANT_DISPATCH(CALL)                                                                              \
-    switch (w->format) {                                                                                  \
+#define QUANT_DISPATCH(W, CALL)                                                                           \
+    switch ((W)->format) {                                                                                  \
     case WEIGHT_INT8: CALL(int8); break;                                                                  \
     case WEIGHT_FP8: CALL(fp8); break;                                                                    \
     case WEIGHT_INT4: CALL(int4); break;                                                                  \
     case WEIGHT_NF4: CALL(nf4); break;                                                                    \
     case WEIGHT_Q8_0: CALL(q8_0); break;                                                                  \
+    case WEIGHT_INT5: CALL(int5); break;                                                                  \
+    case WEIGHT_Q4_K: CALL(q4_k); break;                                                                  \
+    case WEIGHT_Q5_K: CALL(q5_k); break;                                                                  \
+    case WEIGHT_Q6_K: CALL(q6_k); break;                                                                  \
     default: abort(); /* the Python side builds only the formats listed in enum weight_format */         \
     }
 
+/* The formats with an integer product (cpu.py's INT8_ACTIVATION_FORMATS). */
+#define QUANT_A8_DISPATCH(W, CALL)                                                                        \
+    switch ((W)->format) {                                                                                  \
+    case WEIGHT_INT8: CALL(int8); break;                                                                  \
+    case WEIGHT_Q8_0: CALL(q8_0); break;                                                                  \
+    case WEIGHT_INT4: CALL(int4); break;                                                                  \
+    case WEIGHT_INT5: CALL(int5); break;                                                                  \
+    case WEIGHT_Q4_K: CALL(q4_k); break;                                                                  \
+    case WEIGHT_Q5_K: CALL(q5_k); break;                                                                  \
+    case WEIGHT_Q6_K: CALL(q6_k); break;                                                                  \
+    default: abort(); /* the Python side sets quantize_activations only for these */                     \
+    }
+
+/* A weight's single-format pieces: a WEIGHT_MIXED's parts, else the weight itself. Part p's rows
+ * are columns [sum of the rows before it, + its rows) of y. */
+static inline int64_t format_parts(const struct weight *w, const struct weight **parts) {
+    if (w->format == WEIGHT_MIXED) {
+        *parts = w->parts;
+        return w->num_parts;
+    }
+    *parts = w;
+    return 1;
+}
+
 /* y [m, rows] = x [m, cols] @ w^T (+ bias) for a low-bit w, in the calling parallel region. */
 static inline void qmatvec(const struct weight *w, const float *restrict x, float *restrict y, int64_t m) {
-#define QMATVEC_CALL(FMT) qmatvec_##FMT(w, x, y, m)
-#define QMATVEC_A8_CALL(FMT) qmatvec_a8_##FMT(w, x, y, m)
-    if (w->quantize_activations) {
-        switch (w->format) {
-        case WEIGHT_INT8: QMATVEC_A8_CALL(int8); return;
-        case WEIGHT_Q8_0: QMATVEC_A8_CALL(q8_0); return;
-        case WEIGHT_INT4: QMATVEC_A8_CALL(int4); return;
-        default: abort(); /* the Python side sets quantize_activations only for these */
+#define QMATVEC_CALL(FMT) qmatvec_##FMT(part, x, y + first, w->rows, m)
+#define QMATVEC_A8_CALL(FMT) qmatvec_a8_##FMT(part, x, y + first, w->rows, m)
+    const struct weight *parts;
+    const int64_t count = format_parts(w, &parts);
+    for (int64_t p = 0, first = 0; p < count; first += parts[p].rows, p++) {
+        const struct weight *part = parts + p;
+        if (part->quantize_activations) {
+            QUANT_A8_DISPATCH(part, QMATVEC_A8_CALL)
+        } else {
+            QUANT_DISPATCH(part, QMATVEC_CALL)
         }
     }
-    QUANT_DISPATCH(QMATVEC_CALL)
 #undef QMATVEC_A8_CALL
 #undef QMATVEC_CALL
 }
 
 static inline void qmatmul(const struct weight *w, const float *restrict x, float *restrict y, int64_t m,
                            float *restrict panel) {
-#define QMATMUL_CALL(FMT) qmatmul_##FMT(w, x, y, m, panel)
-    QUANT_DISPATCH(QMATMUL_CALL)
+#define QMATMUL_CALL(FMT) qmatmul_##FMT(part, x, y + first, w->rows, m, panel)
+    const struct weight *parts;
+    const int64_t count = format_parts(w, &parts);
+    for (int64_t p = 0, first = 0; p < count; first += parts[p].rows, p++) {
+        const struct weight *part = parts + p;
+        QUANT_DISPATCH(part, QMATMUL_CALL)
+    }
 #undef QMATMUL_CALL
 }
 

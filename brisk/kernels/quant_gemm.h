@@ -1,6 +1,7 @@
 /*
- * The batched half of the formats with an integer product (int8, q8_0 and int4, which holds
- * GGUF's Q4_0 and Q4_1 bit for bit: quant.h): y = x @ w^T for many activation rows (prefill
+ * The batched half of the formats with an integer product (int8, q8_0, int4 and int5, which hold
+ * GGUF's Q4_0/Q4_1 and Q5_0/Q5_1 bit for bit, and the K-quants: quant.h): y = x @ w^T for many
+ * activation rows (prefill
  * chunks, decode batches past the fused step) with x rounded to int8 per block of 32, as
  * llama.cpp rounds activations to Q8_0/Q8_1. quant.h's `qmatvec_a8` is the decode half: the
  * same rounding (quantize_activations) and the same integer block dots, one weight row at a time.
@@ -22,19 +23,27 @@
  *
  *     y[i][l] += d[l] * dx * sum_t c[l][t] x_q[t]  +  o[l] * sx
  *
- * int4 (c = 0..15, w = d c + min): o = min. Signed codes (int8, q8_0) go through the unsigned
- * operand of `vpdpbusd` as c + 128 (one xor at packing); the 128 sum(x_q) that adds is taken back
- * by o = -128 d. AVX2's `maddubs` saturates int16 at 2 x 255 x 127, so there signed codes stay
- * signed and multiply as |c| by x_q with c's sign (o = 0); int4's 0..15 fit unsigned, and eight
- * pairs of them add up in int16 before widening (8 x 2 x 15 x 127 < 32767).
+ * int4 (c = 0..15, w = d c + min): o = min; int5 and the Q4_K/Q5_K blocks alike (Q4_K/Q5_K:
+ * d = d_sb sc, o = -dmin m). Signed codes (int8, q8_0) go through the unsigned operand of
+ * `vpdpbusd` as c + 128 (one xor at packing); the 128 sum(x_q) that adds is taken back by
+ * o = -128 d. AVX2's `maddubs` saturates int16 at 2 x 255 x 127, so there signed codes stay
+ * signed and multiply as |c| by x_q with c's sign (o = 0); unsigned codes add up in int16 a few
+ * words at a time before widening: eight of 0..15 (8 x 2 x 15 x 127 < 32767), four of 0..31.
+ *
+ * Q6_K has a scale per 16 columns, so a lane keeps two sums, words 0-3 and 4-7, scaled by their
+ * halves' d (the panel's d and o vectors hold the two). Its codes c = q - 32 are signed, and it
+ * is the activation that takes the unsigned operand, as x_q + 128 (one xor of the broadcast word):
+ * each sum then starts from -128 sum(c) over its half, which packing takes from the codes
+ * (qg_corrections), so the sums stay exact integers.
  *
  * Columns past the last full block (int8 rows of any width, int4 padded to a block) are multiplied
  * in float, as the decode half does (qdot_tail).
  *
- * A format joins by saying where a block keeps its 32 codes and what its d and o are
- * (qg_codes_<format>, qg_scale_<format>, QG_NIBBLES_<format>) and by one DEFINE_QMATMUL_A8 line;
- * packing and products are shared. Packing a tile costs about what one decode pass over its rows
- * does, paid once for all activation rows.
+ * A format joins by saying where a block keeps its 32 codes (or assembling them: int5 and the
+ * K-quants, through quant.h's block readers), what its d and o are, and which kind of product its
+ * codes take (qg_codes_<format>, qg_scale_<format> or a row at a time, QG_SOURCE_<format>,
+ * QG_KIND_<format>), and by one DEFINE_QMATMUL_A8 line; packing and products are shared. Packing a
+ * tile costs about what one decode pass over its rows does, paid once for all activation rows.
  */
 #ifndef BRISK_QUANT_GEMM_H
 #define BRISK_QUANT_GEMM_H
@@ -66,18 +75,49 @@
 /* A signed format's offset per unit of scale: -128 takes back the + 128 of codes stored unsigned. */
 #define QG_SIGNED_OFFSET (QG_UNSIGNED ? -128.0f : 0.0f)
 
+/* The kinds of product, by the codes a format packs (see above): the AVX2 words of unsigned
+ * products summed in int16 (SPAN), signed codes (SIGNED), a scale per half block (HALVES). */
+#define QG_SPAN_unsigned4 8
+#define QG_SPAN_unsigned5 4
+#define QG_SPAN_signed8 1
+#define QG_SPAN_halves6 2 /* 2 x 2 x 255 x 32 < 32767: x_q + 128 times |c| <= 32 */
+#define QG_SIGNED_unsigned4 0
+#define QG_SIGNED_unsigned5 0
+#define QG_SIGNED_signed8 1
+#define QG_SIGNED_halves6 0
+#define QG_HALVES_unsigned4 0
+#define QG_HALVES_unsigned5 0
+#define QG_HALVES_signed8 0
+#define QG_HALVES_halves6 1
+
+#define QG_KIND_int4 unsigned4
+#define QG_KIND_q4_k unsigned4
+#define QG_KIND_int5 unsigned5
+#define QG_KIND_q5_k unsigned5
+#define QG_KIND_int8 signed8
+#define QG_KIND_q8_0 signed8
+#define QG_KIND_q6_k halves6
+
+#define QG_PASTE(a, b) QG_PASTE_(a, b)
+#define QG_PASTE_(a, b) a##b
+#define QG_OF(WHAT, FMT) QG_PASTE(WHAT, QG_KIND_##FMT) /* QG_OF(QG_HALVES_, q6_k): 1 */
+
 /* A panel block: codes [8 words][QG_NR lanes][4 bytes], then scales d [QG_NR], offsets o [QG_NR]
- * (floats). Word t of lane l holds elements 4t .. 4t + 3 of row j0 + l's block. A multiple of 64
- * bytes, so every vector of a panel starting on a cache line is aligned. */
+ * (floats; Q6_K: its halves' scales). Word t of lane l holds elements 4t .. 4t + 3 of row j0 + l's
+ * block. A multiple of 64 bytes, so every vector of a panel starting on a cache line is aligned.
+ * After the blocks, for Q6_K, each block's corrections: int32 [2][QG_NR], a sum's start per half. */
 #define QG_BLOCK_BYTES (QBLOCK * QG_NR + 2 * QG_NR * 4)
+#define QG_CORRECTION_BYTES (2 * QG_NR * 4)
 
 static inline float *qg_scales(uint8_t *panel, int64_t b) { return (float *)(panel + b * QG_BLOCK_BYTES + QBLOCK * QG_NR); }
 static inline float *qg_offsets(uint8_t *panel, int64_t b) { return qg_scales(panel, b) + QG_NR; }
 
 /* ---- each format's source: where block b of row j keeps its codes (16 bytes of nibbles for
- * int4, 32 signed bytes for int8 and q8_0), and its scale d and offset o ---- */
+ * int4, 32 signed bytes for int8 and q8_0; int5 and the K-quants assemble theirs into `own`, 32
+ * bytes), and its scale d and offset o ---- */
 
-static inline const uint8_t *qg_codes_int4(const struct weight *w, int64_t j, int64_t b) {
+static inline const uint8_t *qg_codes_int4(const struct weight *w, int64_t j, int64_t b, uint8_t *own) {
+    (void)own;
     return (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * (QBLOCK / 2);
 }
 
@@ -87,18 +127,20 @@ static inline void qg_scale_int4(const struct weight *w, int64_t j, int64_t b, f
     *o = group_min(w, g);
 }
 
-static inline const uint8_t *qg_codes_q8_0(const struct weight *w, int64_t j, int64_t b) {
+static inline const uint8_t *qg_codes_q8_0(const struct weight *w, int64_t j, int64_t b, uint8_t *own) {
+    (void)own;
     return (const uint8_t *)w->data + (j * blocks_per_row(w) + b) * 34 + 2;
 }
 
 static inline void qg_scale_q8_0(const struct weight *w, int64_t j, int64_t b, float *d, float *o) {
     uint16_t h;
-    memcpy(&h, qg_codes_q8_0(w, j, b) - 2, 2);
+    memcpy(&h, qg_codes_q8_0(w, j, b, NULL) - 2, 2);
     *d = load_f16_scalar(h);
     *o = QG_SIGNED_OFFSET * *d;
 }
 
-static inline const uint8_t *qg_codes_int8(const struct weight *w, int64_t j, int64_t b) {
+static inline const uint8_t *qg_codes_int8(const struct weight *w, int64_t j, int64_t b, uint8_t *own) {
+    (void)own;
     return (const uint8_t *)w->data + j * w->cols + b * QBLOCK;
 }
 
@@ -108,9 +150,34 @@ static inline void qg_scale_int8(const struct weight *w, int64_t j, int64_t b, f
     *o = QG_SIGNED_OFFSET * *d;
 }
 
-#define QG_NIBBLES_int4 1
-#define QG_NIBBLES_q8_0 0
-#define QG_NIBBLES_int8 0
+#define DEFINE_QG_OWN_CODES(FMT, CODES)                                                                   \
+    static inline const uint8_t *qg_codes_##FMT(const struct weight *w, int64_t j, int64_t b, uint8_t *own) { \
+        store_codes(own, CODES);                                                                          \
+        return own;                                                                                       \
+    }
+DEFINE_QG_OWN_CODES(q4_k, block_codes_q4_k(w, j, b))
+DEFINE_QG_OWN_CODES(q5_k, block_codes_q5_k(w, j, b))
+DEFINE_QG_OWN_CODES(q6_k, codes_minus(block_codes_q6_k(w, j, b), 32))
+
+/* How a block's codes reach qg_pack_codes: 32 bytes, int4's 16 bytes of nibbles, or an int5
+ * block as stored (VNNI: its nibbles transposed as int4's, the fifth bits added to the words). */
+enum qg_source { QG_BYTES, QG_NIBBLES, QG_INT5 };
+#define QG_SOURCE_int4 QG_NIBBLES
+#define QG_SOURCE_q8_0 QG_BYTES
+#define QG_SOURCE_int8 QG_BYTES
+#define QG_SOURCE_q4_k QG_BYTES
+#define QG_SOURCE_q5_k QG_BYTES
+#define QG_SOURCE_q6_k QG_BYTES
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QG_SOURCE_int5 QG_INT5
+static inline const uint8_t *qg_codes_int5(const struct weight *w, int64_t j, int64_t b, uint8_t *own) {
+    (void)own;
+    return int5_block(w, j, b);
+}
+#else
+#define QG_SOURCE_int5 QG_BYTES
+DEFINE_QG_OWN_CODES(int5, block_codes_int5(w, j, b))
+#endif
 
 static const uint8_t QG_ZEROS[QBLOCK]; /* the codes of the lanes past a short last tile */
 
@@ -135,37 +202,87 @@ static inline void qg_transpose16(const uint8_t *const rows[16], int64_t at, __m
     out[3] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
 }
 
-static inline void qg_pack_codes(const uint8_t *const rows[QG_NR], int nibbles, uint8_t *codes) {
+/* int5: + 16 where the fifth bit is set. Word t of lane l is elements 4t .. 4t + 3 of row l,
+ * whose bits are bits 4 (t % 2) .. + 3 of byte t / 2 of the row's u32: one byte shuffle spreads
+ * that byte over the lane's 4, one test against each byte's own bit makes the mask. */
+static inline __m512i qg_fifth_bits(__m512i word, __m512i high, int t) {
+    const __m512i dword = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0); /* its first byte in the 128 bits */
+    const __m512i spread = _mm512_shuffle_epi8(high, _mm512_add_epi8(dword, _mm512_set1_epi8((char)(t / 2))));
+    const __mmask64 set = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(t % 2 ? (int)0x80402010 : 0x08040201));
+    return _mm512_mask_add_epi8(word, set, word, _mm512_set1_epi8(16));
+}
+
+/* flip: signed codes + 128 (the unsigned operand); the others' bytes as they are */
+static inline void qg_pack_codes(const uint8_t *const rows[QG_NR], enum qg_source source, int flip, uint8_t *codes) {
     __m512i v[4];
-    qg_transpose16(rows, 0, v);
-    if (nibbles) { /* byte t: element t low, t + 16 high (quant.h) */
+    qg_transpose16(rows, source == QG_INT5 ? 4 : 0, v);
+    if (source != QG_BYTES) { /* byte t: element t low, t + 16 high (quant.h) */
         const __m512i low = _mm512_set1_epi8(0x0F);
+        __m512i high = _mm512_setzero_si512();
+        if (source == QG_INT5) {
+            uint32_t bits[QG_NR];
+            for (int l = 0; l < QG_NR; l++) memcpy(bits + l, rows[l], 4);
+            high = _mm512_loadu_si512(bits);
+        }
         for (int t = 0; t < 4; t++) {
-            _mm512_store_si512((void *)(codes + t * 64), _mm512_and_si512(v[t], low));
-            _mm512_store_si512((void *)(codes + (t + 4) * 64), _mm512_and_si512(_mm512_srli_epi32(v[t], 4), low));
+            __m512i first = _mm512_and_si512(v[t], low), second = _mm512_and_si512(_mm512_srli_epi32(v[t], 4), low);
+            if (source == QG_INT5) first = qg_fifth_bits(first, high, t), second = qg_fifth_bits(second, high, t + 4);
+            _mm512_store_si512((void *)(codes + t * 64), first);
+            _mm512_store_si512((void *)(codes + (t + 4) * 64), second);
         }
         return;
     }
-    const __m512i flip = _mm512_set1_epi8(-128); /* + 128: the unsigned operand */
-    for (int t = 0; t < 4; t++) _mm512_store_si512((void *)(codes + t * 64), _mm512_xor_si512(v[t], flip));
+    const __m512i by = _mm512_set1_epi8(flip ? -128 : 0);
+    for (int t = 0; t < 4; t++) _mm512_store_si512((void *)(codes + t * 64), _mm512_xor_si512(v[t], by));
     qg_transpose16(rows, 16, v);
-    for (int t = 0; t < 4; t++) _mm512_store_si512((void *)(codes + (t + 4) * 64), _mm512_xor_si512(v[t], flip));
+    for (int t = 0; t < 4; t++) _mm512_store_si512((void *)(codes + (t + 4) * 64), _mm512_xor_si512(v[t], by));
+}
+
+/* Q6_K: corrections[h * QG_NR + l] = -128 x (lane l's codes in words 4h .. 4h + 3, summed) */
+static inline void qg_corrections(const uint8_t *restrict codes, int32_t *restrict corrections) {
+    for (int h = 0; h < 2; h++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int t = 4 * h; t < 4 * h + 4; t++)
+            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_load_si512((const void *)(codes + t * 64)));
+        _mm512_store_si512((void *)(corrections + h * QG_NR), _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+    }
 }
 #else
-static inline void qg_pack_codes(const uint8_t *const rows[QG_NR], int nibbles, uint8_t *codes) {
+static inline void qg_pack_codes(const uint8_t *const rows[QG_NR], enum qg_source source, int flip, uint8_t *codes) {
     uint32_t *out = (uint32_t *)codes;
     for (int l = 0; l < QG_NR; l++) {
         uint32_t words[8];
-        if (nibbles) {
+        if (source == QG_NIBBLES) {
             memcpy(words, rows[l], QBLOCK / 2);
             for (int t = 0; t < 4; t++) words[t + 4] = (words[t] >> 4) & 0x0F0F0F0Fu, words[t] &= 0x0F0F0F0Fu;
         } else {
             memcpy(words, rows[l], QBLOCK);
-            if (QG_UNSIGNED)
+            if (flip)
                 for (int t = 0; t < 8; t++) words[t] ^= 0x80808080u;
         }
         for (int t = 0; t < 8; t++) out[t * QG_NR + l] = words[t];
     }
+}
+
+static inline void qg_corrections(const uint8_t *restrict codes, int32_t *restrict corrections) {
+#ifdef __AVX2__
+    for (int h = 0; h < 2; h++) {
+        __m256i sum = _mm256_setzero_si256();
+        for (int t = 4 * h; t < 4 * h + 4; t++) {
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_load_si256((const __m256i *)(codes + t * 32)));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        }
+        _mm256_store_si256((__m256i *)(corrections + h * QG_NR), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7)));
+    }
+#else
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < QG_NR; l++) {
+            int32_t sum = 0;
+            for (int t = 4 * h; t < 4 * h + 4; t++)
+                for (int e = 0; e < 4; e++) sum += (int8_t)codes[(t * QG_NR + l) * 4 + e];
+            corrections[h * QG_NR + l] = -128 * sum;
+        }
+#endif
 }
 #endif
 
@@ -185,6 +302,25 @@ static inline void qg_pack_codes(const uint8_t *const rows[QG_NR], int nibbles, 
 DEFINE_QG_SCALES(int4)
 DEFINE_QG_SCALES(q8_0)
 DEFINE_QG_SCALES(int8)
+
+/* The K-quants' scales, unpacked a row at a time (quant.h's block_scales: two floats a block, d
+ * and o, or Q6_K's halves' scales) and spread into their lanes. */
+#define DEFINE_QG_SCALES_BY_ROW(FMT)                                                                      \
+    static inline void qg_pack_scales_##FMT(const struct weight *w, int64_t j0, int64_t nr, int64_t full, \
+                                            uint8_t *restrict panel) {                                    \
+        float first[full], second[full];                                                                  \
+        for (int64_t l = 0; l < QG_NR; l++) {                                                             \
+            if (l < nr) block_scales_##FMT(w, j0 + l, first, second);                                     \
+            for (int64_t b = 0; b < full; b++) {                                                          \
+                qg_scales(panel, b)[l] = l < nr ? first[b] : 0.0f;                                        \
+                qg_offsets(panel, b)[l] = l < nr ? second[b] : 0.0f;                                      \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+DEFINE_QG_SCALES_BY_ROW(q4_k)
+DEFINE_QG_SCALES_BY_ROW(q5_k)
+DEFINE_QG_SCALES_BY_ROW(q6_k)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* r[l] (16 floats of row l) -> r[c] (column c of the 16 rows): pairs, then quads within each
@@ -267,22 +403,30 @@ static inline void qg_pack_scales_q8_0(const struct weight *w, int64_t j0, int64
 #define qg_pack_scales_q8_0 qg_scales_by_lane_q8_0
 #endif
 #define qg_pack_scales_int8 qg_scales_by_lane_int8
+#define qg_pack_scales_int5 qg_pack_scales_int4 /* int5 keeps int4's f16 scales and minimums */
 
 /* Weight rows j0 .. j0 + nr - 1 (nr <= QG_NR) into a panel, every block; lanes past nr zero. */
 #define DEFINE_QG_PACK(FMT)                                                                               \
     static inline void qg_pack_##FMT(const struct weight *w, int64_t j0, int64_t nr, int64_t full,        \
                                      uint8_t *restrict panel) {                                           \
+        uint8_t own[QG_NR][QBLOCK];                                                                       \
+        int32_t *corrections = (int32_t *)(panel + full * QG_BLOCK_BYTES);                                \
         qg_pack_scales_##FMT(w, j0, nr, full, panel);                                                     \
         for (int64_t b = 0; b < full; b++) {                                                              \
             const uint8_t *rows[QG_NR];                                                                   \
-            for (int64_t l = 0; l < QG_NR; l++) rows[l] = l < nr ? qg_codes_##FMT(w, j0 + l, b) : QG_ZEROS; \
-            qg_pack_codes(rows, QG_NIBBLES_##FMT, panel + b * QG_BLOCK_BYTES);                            \
+            for (int64_t l = 0; l < QG_NR; l++) rows[l] = l < nr ? qg_codes_##FMT(w, j0 + l, b, own[l]) : QG_ZEROS; \
+            qg_pack_codes(rows, QG_SOURCE_##FMT, QG_UNSIGNED && QG_OF(QG_SIGNED_, FMT), panel + b * QG_BLOCK_BYTES); \
+            if (QG_OF(QG_HALVES_, FMT)) qg_corrections(panel + b * QG_BLOCK_BYTES, corrections + b * 2 * QG_NR); \
         }                                                                                                 \
     }
 
 DEFINE_QG_PACK(int4)
 DEFINE_QG_PACK(q8_0)
 DEFINE_QG_PACK(int8)
+DEFINE_QG_PACK(int5)
+DEFINE_QG_PACK(q4_k)
+DEFINE_QG_PACK(q5_k)
+DEFINE_QG_PACK(q6_k)
 
 static inline int32_t qg_word(const int8_t *p) { /* 4 activation codes as one 32-bit lane value */
     int32_t v;
@@ -290,86 +434,115 @@ static inline int32_t qg_word(const int8_t *p) { /* 4 activation codes as one 32
     return v;
 }
 
+static inline int32_t qg_word_unsigned(const int8_t *p) { /* the same + 128, as unsigned bytes (Q6_K) */
+    return (int32_t)((uint32_t)qg_word(p) ^ 0x80808080u);
+}
+
 /* ---- the product of a panel with ROWS activation rows: out[i][l] = sum over blocks ----
- * xq, xd, xs: the rows' codes [ROWS][full * 32], scales and scaled sums [ROWS][full]. */
+ * xq, xd, xs: the rows' codes [ROWS][full * 32], scales and scaled sums [ROWS][full]. A tile of
+ * KIND (QG_KIND_<format>) keeps HALVES + 1 integer sums per lane and block: a HALVES kind's sums
+ * start from the panel's corrections and take its d and o vectors as its halves' scales. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define DEFINE_QG_TILE(ROWS)                                                                              \
-    static inline void qg_tile_##ROWS(const uint8_t *restrict panel, int64_t full, int signed_codes,      \
-                                      const int8_t *restrict xq, const float *restrict xd,                \
-                                      const float *restrict xs, float out[][QG_NR]) {                     \
-        (void)signed_codes; /* + 128 at packing */                                                        \
+#define DEFINE_QG_TILE(KIND, ROWS)                                                                        \
+    static inline void qg_tile_##KIND##_##ROWS(const uint8_t *restrict panel, int64_t full,               \
+                                               const int8_t *restrict xq, const float *restrict xd,       \
+                                               const float *restrict xs, float out[][QG_NR]) {            \
+        enum { HALVES = QG_HALVES_##KIND };                                                               \
+        const int32_t *corrections = (const int32_t *)(panel + full * QG_BLOCK_BYTES);                    \
         __m512 acc[ROWS];                                                                                 \
         for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();                                      \
         for (int64_t b = 0; b < full; b++) {                                                              \
             const uint8_t *c = panel + b * QG_BLOCK_BYTES;                                                \
-            __m512i dots[ROWS];                                                                           \
-            for (int i = 0; i < ROWS; i++) dots[i] = _mm512_setzero_si512();                              \
+            __m512i dots[HALVES + 1][ROWS];                                                               \
+            for (int h = 0; h <= HALVES; h++) {                                                           \
+                const __m512i start = HALVES ? _mm512_load_si512((const void *)(corrections + (2 * b + h) * QG_NR)) \
+                                             : _mm512_setzero_si512();                                    \
+                for (int i = 0; i < ROWS; i++) dots[h][i] = start;                                        \
+            }                                                                                             \
             for (int t = 0; t < 8; t++) {                                                                 \
                 const __m512i wv = _mm512_load_si512((const void *)(c + t * 64));                         \
-                for (int i = 0; i < ROWS; i++)                                                            \
-                    dots[i] = _mm512_dpbusd_epi32(dots[i], wv,                                            \
-                                                  _mm512_set1_epi32(qg_word(xq + (i * full + b) * QBLOCK + 4 * t))); \
+                const int h = HALVES && t >= 4;                                                           \
+                for (int i = 0; i < ROWS; i++) {                                                          \
+                    const int8_t *x = xq + (i * full + b) * QBLOCK + 4 * t;                               \
+                    dots[h][i] = HALVES ? _mm512_dpbusd_epi32(dots[h][i], _mm512_set1_epi32(qg_word_unsigned(x)), wv) \
+                                        : _mm512_dpbusd_epi32(dots[h][i], wv, _mm512_set1_epi32(qg_word(x))); \
+                }                                                                                         \
             }                                                                                             \
             const __m512 d = _mm512_load_ps((const float *)(c + QBLOCK * QG_NR));                         \
             const __m512 o = _mm512_load_ps((const float *)(c + QBLOCK * QG_NR + 4 * QG_NR));             \
             for (int i = 0; i < ROWS; i++) {                                                              \
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[i * full + b])),              \
-                                         _mm512_cvtepi32_ps(dots[i]), acc[i]);                            \
-                acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[i * full + b]), acc[i]);                    \
+                const __m512 dx = _mm512_set1_ps(xd[i * full + b]);                                       \
+                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(dots[0][i]), acc[i]);   \
+                acc[i] = HALVES ? _mm512_fmadd_ps(_mm512_mul_ps(o, dx), _mm512_cvtepi32_ps(dots[HALVES][i]), acc[i]) \
+                                : _mm512_fmadd_ps(o, _mm512_set1_ps(xs[i * full + b]), acc[i]);           \
             }                                                                                             \
         }                                                                                                 \
         for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(out[i], acc[i]);                                  \
     }
 #elif defined(__AVX2__)
-/* Unsigned codes (int4): eight maddubs add up in int16, widened once per block. Signed codes:
- * |c| times x_q with c's sign, widened per word (a pair of products alone nearly fills int16). */
-#define DEFINE_QG_TILE(ROWS)                                                                              \
-    static inline void qg_tile_##ROWS(const uint8_t *restrict panel, int64_t full, int signed_codes,      \
-                                      const int8_t *restrict xq, const float *restrict xd,                \
-                                      const float *restrict xs, float out[][QG_NR]) {                     \
+/* Unsigned codes: SPAN maddubs add up in int16, widened once per SPAN words. Signed codes: |c|
+ * times x_q with c's sign, widened per word (a pair of products alone nearly fills int16). */
+#define DEFINE_QG_TILE(KIND, ROWS)                                                                        \
+    static inline void qg_tile_##KIND##_##ROWS(const uint8_t *restrict panel, int64_t full,               \
+                                               const int8_t *restrict xq, const float *restrict xd,       \
+                                               const float *restrict xs, float out[][QG_NR]) {            \
+        enum { HALVES = QG_HALVES_##KIND, SPAN = QG_SPAN_##KIND };                                        \
         const __m256i ones = _mm256_set1_epi16(1);                                                        \
+        const int32_t *corrections = (const int32_t *)(panel + full * QG_BLOCK_BYTES);                    \
         __m256 acc[ROWS];                                                                                 \
         for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();                                      \
         for (int64_t b = 0; b < full; b++) {                                                              \
             const uint8_t *c = panel + b * QG_BLOCK_BYTES;                                                \
-            __m256i dots[ROWS];                                                                           \
-            for (int i = 0; i < ROWS; i++) dots[i] = _mm256_setzero_si256();                              \
-            if (signed_codes) {                                                                           \
+            __m256i dots[HALVES + 1][ROWS];                                                               \
+            for (int h = 0; h <= HALVES; h++) {                                                           \
+                const __m256i start = HALVES ? _mm256_load_si256((const __m256i *)(corrections + (2 * b + h) * QG_NR)) \
+                                             : _mm256_setzero_si256();                                    \
+                for (int i = 0; i < ROWS; i++) dots[h][i] = start;                                        \
+            }                                                                                             \
+            if (QG_SIGNED_##KIND) {                                                                       \
                 for (int t = 0; t < 8; t++) {                                                             \
                     const __m256i wv = _mm256_load_si256((const __m256i *)(c + t * 32));                  \
                     const __m256i magnitude = _mm256_abs_epi8(wv);                                        \
                     for (int i = 0; i < ROWS; i++) {                                                      \
                         const __m256i xv = _mm256_set1_epi32(qg_word(xq + (i * full + b) * QBLOCK + 4 * t)); \
                         const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));  \
-                        dots[i] = _mm256_add_epi32(dots[i], _mm256_madd_epi16(pairs, ones));              \
+                        dots[0][i] = _mm256_add_epi32(dots[0][i], _mm256_madd_epi16(pairs, ones));        \
                     }                                                                                     \
                 }                                                                                         \
             } else {                                                                                      \
-                for (int t = 0; t < 8; t++) {                                                             \
-                    const __m256i wv = _mm256_load_si256((const __m256i *)(c + t * 32));                  \
-                    for (int i = 0; i < ROWS; i++) {                                                      \
-                        const __m256i xv = _mm256_set1_epi32(qg_word(xq + (i * full + b) * QBLOCK + 4 * t)); \
-                        dots[i] = _mm256_add_epi16(dots[i], _mm256_maddubs_epi16(wv, xv));                \
+                for (int t0 = 0; t0 < 8; t0 += SPAN) {                                                    \
+                    const int h = HALVES && t0 >= 4;                                                      \
+                    __m256i pairs[ROWS];                                                                  \
+                    for (int i = 0; i < ROWS; i++) pairs[i] = _mm256_setzero_si256();                     \
+                    for (int t = t0; t < t0 + SPAN; t++) {                                                \
+                        const __m256i wv = _mm256_load_si256((const __m256i *)(c + t * 32));              \
+                        for (int i = 0; i < ROWS; i++) {                                                  \
+                            const int8_t *x = xq + (i * full + b) * QBLOCK + 4 * t;                       \
+                            pairs[i] = _mm256_add_epi16(pairs[i], HALVES ? _mm256_maddubs_epi16(_mm256_set1_epi32(qg_word_unsigned(x)), wv) \
+                                                                         : _mm256_maddubs_epi16(wv, _mm256_set1_epi32(qg_word(x)))); \
+                        }                                                                                 \
                     }                                                                                     \
+                    for (int i = 0; i < ROWS; i++) dots[h][i] = _mm256_add_epi32(dots[h][i], _mm256_madd_epi16(pairs[i], ones)); \
                 }                                                                                         \
-                for (int i = 0; i < ROWS; i++) dots[i] = _mm256_madd_epi16(dots[i], ones);                \
             }                                                                                             \
             const __m256 d = _mm256_load_ps((const float *)(c + QBLOCK * QG_NR));                         \
             const __m256 o = _mm256_load_ps((const float *)(c + QBLOCK * QG_NR + 4 * QG_NR));             \
             for (int i = 0; i < ROWS; i++) {                                                              \
-                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[i * full + b])),              \
-                                         _mm256_cvtepi32_ps(dots[i]), acc[i]);                            \
-                acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[i * full + b]), acc[i]);                    \
+                const __m256 dx = _mm256_set1_ps(xd[i * full + b]);                                       \
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dots[0][i]), acc[i]);   \
+                acc[i] = HALVES ? _mm256_fmadd_ps(_mm256_mul_ps(o, dx), _mm256_cvtepi32_ps(dots[HALVES][i]), acc[i]) \
+                                : _mm256_fmadd_ps(o, _mm256_set1_ps(xs[i * full + b]), acc[i]);           \
             }                                                                                             \
         }                                                                                                 \
         for (int i = 0; i < ROWS; i++) _mm256_storeu_ps(out[i], acc[i]);                                  \
     }
 #else
-#define DEFINE_QG_TILE(ROWS)                                                                              \
-    static inline void qg_tile_##ROWS(const uint8_t *restrict panel, int64_t full, int signed_codes,      \
-                                      const int8_t *restrict xq, const float *restrict xd,                \
-                                      const float *restrict xs, float out[][QG_NR]) {                     \
-        (void)signed_codes; /* + 128 at packing */                                                        \
+#define DEFINE_QG_TILE(KIND, ROWS)                                                                        \
+    static inline void qg_tile_##KIND##_##ROWS(const uint8_t *restrict panel, int64_t full,               \
+                                               const int8_t *restrict xq, const float *restrict xd,       \
+                                               const float *restrict xs, float out[][QG_NR]) {            \
+        enum { HALVES = QG_HALVES_##KIND }; /* signed codes are + 128 at packing */                       \
+        const int32_t *corrections = (const int32_t *)(panel + full * QG_BLOCK_BYTES);                    \
         for (int i = 0; i < ROWS; i++)                                                                    \
             for (int l = 0; l < QG_NR; l++) out[i][l] = 0.0f;                                             \
         for (int64_t b = 0; b < full; b++) {                                                              \
@@ -378,39 +551,52 @@ static inline int32_t qg_word(const int8_t *p) { /* 4 activation codes as one 32
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const int8_t *x = xq + (i * full + b) * QBLOCK;                                           \
                 for (int l = 0; l < QG_NR; l++) {                                                         \
-                    int32_t dot = 0;                                                                      \
+                    int32_t dot[2] = {HALVES ? corrections[2 * b * QG_NR + l] : 0,                        \
+                                      HALVES ? corrections[(2 * b + 1) * QG_NR + l] : 0};                 \
                     for (int t = 0; t < 8; t++)                                                           \
-                        for (int e = 0; e < 4; e++) dot += (int32_t)c[(t * QG_NR + l) * 4 + e] * x[4 * t + e]; \
-                    out[i][l] += d[l] * xd[i * full + b] * (float)dot + o[l] * xs[i * full + b];          \
+                        for (int e = 0; e < 4; e++) {                                                     \
+                            const uint8_t code = c[(t * QG_NR + l) * 4 + e];                              \
+                            dot[HALVES && t >= 4] += HALVES ? (int8_t)code * (x[4 * t + e] + 128)         \
+                                                            : (int32_t)code * x[4 * t + e];               \
+                        }                                                                                 \
+                    const float dx = xd[i * full + b];                                                    \
+                    out[i][l] += d[l] * dx * (float)dot[0]                                                \
+                                 + (HALVES ? o[l] * dx * (float)dot[1] : o[l] * xs[i * full + b]);        \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
     }
 #endif
 
-DEFINE_QG_TILE(8)
-DEFINE_QG_TILE(4)
-DEFINE_QG_TILE(2)
-DEFINE_QG_TILE(1)
-
 /* out [rows][QG_NR] for rows <= QG_MR activation rows: the widest register tile that fits. */
-static inline int64_t qg_product(const uint8_t *panel, int64_t full, int64_t rows, int signed_codes,
-                                 const int8_t *xq, const float *xd, const float *xs, float out[][QG_NR]) {
-    const int64_t take = rows >= QG_MR ? QG_MR : rows >= 4 ? 4 : rows >= 2 ? 2 : 1;
-    if (take == 8) qg_tile_8(panel, full, signed_codes, xq, xd, xs, out);
-    else if (take == 4) qg_tile_4(panel, full, signed_codes, xq, xd, xs, out);
-    else if (take == 2) qg_tile_2(panel, full, signed_codes, xq, xd, xs, out);
-    else qg_tile_1(panel, full, signed_codes, xq, xd, xs, out);
-    return take;
-}
+#define DEFINE_QG_PRODUCT(KIND)                                                                           \
+    DEFINE_QG_TILE(KIND, 8)                                                                               \
+    DEFINE_QG_TILE(KIND, 4)                                                                               \
+    DEFINE_QG_TILE(KIND, 2)                                                                               \
+    DEFINE_QG_TILE(KIND, 1)                                                                               \
+    static inline int64_t qg_product_##KIND(const uint8_t *panel, int64_t full, int64_t rows, const int8_t *xq, \
+                                            const float *xd, const float *xs, float out[][QG_NR]) {       \
+        const int64_t take = rows >= QG_MR ? QG_MR : rows >= 4 ? 4 : rows >= 2 ? 2 : 1;                   \
+        if (take == 8) qg_tile_##KIND##_8(panel, full, xq, xd, xs, out);                                  \
+        else if (take == 4) qg_tile_##KIND##_4(panel, full, xq, xd, xs, out);                             \
+        else if (take == 2) qg_tile_##KIND##_2(panel, full, xq, xd, xs, out);                             \
+        else qg_tile_##KIND##_1(panel, full, xq, xd, xs, out);                                            \
+        return take;                                                                                      \
+    }
 
-/* y [m, rows] = x @ w^T (+ bias) with x already rounded (xq, xd, xs: quantize_activations of
- * every row), in the calling parallel region; panel: this thread's full * QG_BLOCK_BYTES bytes,
- * on a cache line. */
-#define DEFINE_QMATMUL_A8(FMT, SIGNED)                                                                    \
+DEFINE_QG_PRODUCT(unsigned4)
+DEFINE_QG_PRODUCT(unsigned5)
+DEFINE_QG_PRODUCT(signed8)
+DEFINE_QG_PRODUCT(halves6)
+
+/* y [m, ldy] columns [0, w->rows) = x @ w^T (+ bias) with x already rounded (xq, xd, xs:
+ * quantize_activations of every row), in the calling parallel region; panel: this thread's
+ * full * (QG_BLOCK_BYTES + QG_CORRECTION_BYTES) bytes, on a cache line. */
+#define DEFINE_QMATMUL_A8(FMT)                                                                            \
     static inline void qmatmul_a8_##FMT(const struct weight *w, const float *restrict x, float *restrict y, \
-                                        int64_t m, const int8_t *restrict xq, const float *restrict xd,   \
-                                        const float *restrict xs, uint8_t *restrict panel) {              \
+                                        int64_t ldy, int64_t m, const int8_t *restrict xq,                \
+                                        const float *restrict xd, const float *restrict xs,               \
+                                        uint8_t *restrict panel) {                                        \
         const int64_t n = w->rows, k = w->cols, full = k / QBLOCK, tail = k - full * QBLOCK;              \
         const float *bias = (const float *)w->bias;                                                       \
         _Pragma("omp for schedule(static)")                                                               \
@@ -419,31 +605,24 @@ static inline int64_t qg_product(const uint8_t *panel, int64_t full, int64_t row
             qg_pack_##FMT(w, j0, nr, full, panel);                                                        \
             for (int64_t i0 = 0; i0 < m;) {                                                               \
                 float out[QG_MR][QG_NR];                                                                  \
-                const int64_t rows = qg_product(panel, full, m - i0, SIGNED && !QG_UNSIGNED,              \
-                                                xq + i0 * full * QBLOCK, xd + i0 * full, xs + i0 * full, out); \
+                const int64_t rows = QG_OF(qg_product_, FMT)(panel, full, m - i0, xq + i0 * full * QBLOCK, \
+                                                             xd + i0 * full, xs + i0 * full, out);        \
                 for (int64_t i = 0; i < rows; i++)                                                        \
                     for (int64_t l = 0; l < nr; l++)                                                      \
-                        y[(i0 + i) * n + j0 + l] = out[i][l] + (bias ? bias[j0 + l] : 0.0f)               \
-                                                   + (tail ? qdot_tail_##FMT(w, j0 + l, x + (i0 + i) * k) : 0.0f); \
+                        y[(i0 + i) * ldy + j0 + l] = out[i][l] + (bias ? bias[j0 + l] : 0.0f)             \
+                                                     + (tail ? qdot_tail_##FMT(w, j0 + l, x + (i0 + i) * k) : 0.0f); \
                 i0 += rows;                                                                               \
             }                                                                                             \
         }                                                                                                 \
     }
 
-DEFINE_QMATMUL_A8(int8, 1)
-DEFINE_QMATMUL_A8(q8_0, 1)
-DEFINE_QMATMUL_A8(int4, 0)
-
-static inline void qmatmul_a8_format(const struct weight *w, const float *restrict x, float *restrict y, int64_t m,
-                                     const int8_t *restrict xq, const float *restrict xd, const float *restrict xs,
-                                     uint8_t *restrict panel) {
-    switch (w->format) {
-    case WEIGHT_INT8: qmatmul_a8_int8(w, x, y, m, xq, xd, xs, panel); return;
-    case WEIGHT_Q8_0: qmatmul_a8_q8_0(w, x, y, m, xq, xd, xs, panel); return;
-    case WEIGHT_INT4: qmatmul_a8_int4(w, x, y, m, xq, xd, xs, panel); return;
-    default: abort(); /* the Python side sets quantize_activations only for these */
-    }
-}
+DEFINE_QMATMUL_A8(int8)
+DEFINE_QMATMUL_A8(q8_0)
+DEFINE_QMATMUL_A8(int4)
+DEFINE_QMATMUL_A8(int5)
+DEFINE_QMATMUL_A8(q4_k)
+DEFINE_QMATMUL_A8(q5_k)
+DEFINE_QMATMUL_A8(q6_k)
 
 /* What the batched product needs besides its operands, taken before the parallel region: the
  * rounded activations (shared by the threads) and a panel per thread. */
@@ -459,11 +638,11 @@ static inline void qg_scratch_free(struct qg_scratch *s) {
     s->xq = NULL, s->xd = s->xs = NULL, s->panels = NULL;
 }
 
-/* For up to m rows of up to max_cols columns and `threads` threads; KERNEL_OK or
- * KERNEL_OUT_OF_MEMORY (then nothing is held). Released by qg_scratch_free. */
+/* For up to m rows of up to max_cols columns and `threads` threads, whatever the weights'
+ * formats; KERNEL_OK or KERNEL_OUT_OF_MEMORY (then nothing is held). Released by qg_scratch_free. */
 static inline int qg_scratch_alloc(struct qg_scratch *s, int64_t m, int64_t max_cols, int64_t threads) {
     const int64_t full = max_cols / QBLOCK;
-    s->panel_bytes = 4 * cache_lines_of_floats(full * QG_BLOCK_BYTES / 4);
+    s->panel_bytes = 4 * cache_lines_of_floats(full * (QG_BLOCK_BYTES + QG_CORRECTION_BYTES) / 4);
     s->xq = (int8_t *)scratch_floats(m * full * QBLOCK / 4);
     s->xd = scratch_floats(m * full);
     s->xs = scratch_floats(m * full);
@@ -474,14 +653,23 @@ static inline int qg_scratch_alloc(struct qg_scratch *s, int64_t m, int64_t max_
 }
 
 /* y [m, rows] = x @ w^T (+ bias) for a weight with quantize_activations set, in the calling
- * parallel region: every row of x rounded once (one barrier), then the panel product. */
+ * parallel region: every row of x rounded once (one barrier), then the panel product of each of
+ * its parts (quant.h's format_parts), all rounding x alike. */
 static inline void qmatmul_a8(const struct weight *w, const float *restrict x, float *restrict y, int64_t m,
                               const struct qg_scratch *s) {
+#define QMATMUL_A8_CALL(FMT) qmatmul_a8_##FMT(part, x, y + first, w->rows, m, s->xq, s->xd, s->xs, panel)
     const int64_t k = w->cols, full = k / QBLOCK;
     _Pragma("omp for schedule(static)")
     for (int64_t i = 0; i < m; i++)
         quantize_activations(x + i * k, 1, k, s->xq + i * full * QBLOCK, s->xd + i * full, s->xs + i * full);
-    qmatmul_a8_format(w, x, y, m, s->xq, s->xd, s->xs, s->panels + omp_get_thread_num() * s->panel_bytes);
+    uint8_t *panel = s->panels + omp_get_thread_num() * s->panel_bytes;
+    const struct weight *parts;
+    const int64_t count = format_parts(w, &parts);
+    for (int64_t p = 0, first = 0; p < count; first += parts[p].rows, p++) {
+        const struct weight *part = parts + p;
+        QUANT_A8_DISPATCH(part, QMATMUL_A8_CALL)
+    }
+#undef QMATMUL_A8_CALL
 }
 
 #endif

@@ -9,8 +9,8 @@ minimums) and multiplies it on the tensor cores against a [BM, 32] tile of activ
 Formats served (quant/formats.py): int8 (a scale per row: applied once to the sum) and int4
 (codes 0..15 per group of 32/64/128 columns with a scale and a minimum, packed two per byte in
 GGUF's order: byte t of a 32-column block holds column t low and column t + 16 high), which is
-also how a GGUF file's Q4_0 and Q4_1 matrices load. The other formats (fp8, nf4, q8_0) take the
-dequantizing path.
+also how a GGUF file's Q4_0 and Q4_1 matrices load. The other formats (fp8, nf4, q8_0, int5, the
+K-quants, and mixed weights, part by part) take the dequantizing path.
 """
 
 from __future__ import annotations

@@ -155,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(spec, max_len)
         self.local_rotary = RotaryEmbedding(spec, max_len, local=True) if spec.local_rope_theta is not None else None
         self._decode_layers = None  # the fused decode step, built on first use
+        self._decode_groups: tuple[int, ...] | None = None  # the layer grouping it was built for
 
     def build_rope(self, device: torch.device) -> None:
         """The RoPE tables, once the module is off the meta device (model/rope.py)."""
@@ -182,14 +183,11 @@ class LlamaForCausalLM(nn.Module):
         than the layer's own work outside the matmuls."""
         x, residual = self.embed(input_ids), None
         if self.kernels.fuses_decode(meta.num_decodes, len(meta.prefills), self.norm.weight, kv_caches[0]):
-            hidden = self._fused_decode()(x.float(), positions, meta.slot_blocks, meta.slot_offsets,
-                                          meta.decode_block_tables, meta.decode_context_lens, kv_caches,
-                                          meta.decode_ancestor_masks)
-            return hidden.to(x.dtype)
+            return self._fused_decode(meta.layer_groups)(x.float(), positions, meta, kv_caches).to(x.dtype)
         rope = self.rotary.at(positions)
         local_rope = self.local_rotary.at(positions) if self.local_rotary is not None else rope
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, local_rope if layer.local_rope else rope, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(x, residual, local_rope if layer.local_rope else rope, kv_cache, meta.for_layer(i))
         return self.norm(x, residual)[0]
 
     def _apply(self, fn, *args, **kwargs):
@@ -198,20 +196,22 @@ class LlamaForCausalLM(nn.Module):
         self._decode_layers = None
         return super()._apply(fn, *args, **kwargs)
 
-    def _fused_decode(self):
+    def _fused_decode(self, layer_groups: tuple[int, ...] | None):
         """The layers' weights as the fused kernel reads them; built on the first decode step,
-        once the weights are loaded and the RoPE tables built."""
-        if self._decode_layers is None:
+        once the weights are loaded and the RoPE tables built, and again for another grouping
+        of the layers' block tables (AttentionMetadata.layer_groups)."""
+        if self._decode_layers is None or self._decode_groups != layer_groups:
+            self._decode_groups = layer_groups
             layers = []
             weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 rotary = self.local_rotary if layer.local_rope else self.rotary
                 layers.append(cpu_kernels.DecodeLayerWeights(
                     layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                     attn.qkv_proj.kernel_weight(), attn.o_proj.kernel_weight(), mlp.gate_up_proj.kernel_weight(),
                     mlp.down_proj.kernel_weight(), rotary.cos, rotary.signed_sin, attn.window,
-                    weight(attn.q_norm), weight(attn.k_norm), weight(layer.attention_output_norm),
+                    layer_groups[i] if layer_groups else 0, weight(attn.q_norm), weight(attn.k_norm), weight(layer.attention_output_norm),
                     weight(layer.mlp_output_norm)))
             self._decode_layers = self.kernels.decode_layers(
                 layers, self.norm.weight, self.hparams.num_heads, self.hparams.num_kv_heads, self.hparams.rms_norm_eps,

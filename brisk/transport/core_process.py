@@ -97,7 +97,8 @@ class ProcessEngine(LoopClient):
 
     def __init__(self, config: EngineConfig | None = None, *, omp_wait_policy: str | None = None):
         config = config or EngineConfig()
-        tokenizer = open_checkpoint(config.model).tokenizer  # cheap: reads no weights
+        # cheap: reads no weights. Chats are rendered here, in the API process: the template goes with it.
+        tokenizer = open_checkpoint(config.model).tokenizer.with_chat_template(config.chat_template)
         ours, theirs = socket.socketpair()
         with theirs:  # once the child has its copy, EOF on ours means the child is gone
             self.process = subprocess.Popen(

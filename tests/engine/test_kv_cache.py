@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from brisk.engine.kv_cache import KVCacheManager
+from brisk.engine.kv_cache import KVCacheManager, KVLayout, PrefixHit
 from brisk.engine.request import Request
 from brisk.sampling_params import SamplingParams
 
 
 def _request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=8), cache_salt=salt)
+
+
+def _ids(hit: PrefixHit, group: int = 0) -> list[int | None]:
+    return [None if b is None else b.block_id for b in hit.blocks[group]]
 
 
 def _compute(kv: KVCacheManager, request: Request, n: int) -> None:
@@ -51,7 +55,7 @@ def test_prefix_hit_shares_full_blocks_and_counts_references():
 
     b = _request("b", list(range(8)) + [50, 51, 52])
     hit = kv.find_cached_prefix(b)
-    assert [blk.block_id for blk in hit] == [0, 1]
+    assert hit.num_tokens == 8 and _ids(hit) == [0, 1]
     assert kv.allocate(b, 3, hit)
     assert kv.block_ids("b") == [0, 1, 3]
     assert [kv.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
@@ -69,7 +73,7 @@ def test_last_token_is_never_served_from_cache():
     kv.allocate(a, 8)
     _compute(kv, a, 8)
     same = _request("same", list(range(8)))
-    assert [b.block_id for b in kv.find_cached_prefix(same)] == [0]  # block 1 holds the last token
+    assert _ids(kv.find_cached_prefix(same)) == [0]  # block 1 holds the last token
 
 
 def test_hash_match_with_different_tokens_is_a_miss():
@@ -78,7 +82,7 @@ def test_hash_match_with_different_tokens_is_a_miss():
     kv.allocate(a, 9)
     _compute(kv, a, 9)
     kv.blocks[0].token_ids = (9, 9, 9, 9)  # as if another prompt had collided on the hash
-    assert kv.find_cached_prefix(_request("b", list(range(9)))) == []
+    assert kv.find_cached_prefix(_request("b", list(range(9)))).num_tokens == 0
 
 
 def test_cache_salt_isolates_prefixes():
@@ -86,8 +90,8 @@ def test_cache_salt_isolates_prefixes():
     a = _request("a", list(range(9)), salt="tenant-1")
     kv.allocate(a, 9)
     _compute(kv, a, 9)
-    assert kv.find_cached_prefix(_request("b", list(range(9)), salt="tenant-2")) == []
-    assert len(kv.find_cached_prefix(_request("c", list(range(9)), salt="tenant-1"))) == 2
+    assert kv.find_cached_prefix(_request("b", list(range(9)), salt="tenant-2")).num_tokens == 0
+    assert kv.find_cached_prefix(_request("c", list(range(9)), salt="tenant-1")).num_tokens == 8
 
 
 def test_eviction_takes_uncached_blocks_first_then_least_recently_freed():
@@ -104,7 +108,7 @@ def test_eviction_takes_uncached_blocks_first_then_least_recently_freed():
     assert kv.allocate(c, 8)
     assert kv.block_ids("c") == [4, 5, 1, 0]
     assert kv.stats.evictions == 2 and kv.num_cached_blocks == 2
-    assert kv.find_cached_prefix(_request("d", [5, 6, 7, 8, 0]))[0].block_id == 2  # b survives
+    assert _ids(kv.find_cached_prefix(_request("d", [5, 6, 7, 8, 0])))[0] == 2  # b survives
 
 
 def test_reviving_a_freed_cached_block_takes_it_off_the_free_queue():
@@ -136,7 +140,7 @@ def test_prefix_caching_off_never_hits():
     a = _request("a", list(range(9)))
     kv.allocate(a, 9)
     _compute(kv, a, 9)
-    assert kv.num_cached_blocks == 0 and kv.find_cached_prefix(_request("b", list(range(9)))) == []
+    assert kv.num_cached_blocks == 0 and kv.find_cached_prefix(_request("b", list(range(9)))).num_tokens == 0
 
 
 def _free_queue(kv: KVCacheManager) -> list[int]:
@@ -184,7 +188,7 @@ def test_shared_prefix_freed_sharer_first():
     # Either order leaves the prefix cached; a new request revives it from the queue's tail.
     c = _request("c", list(range(8)) + [60])
     hit = kv.find_cached_prefix(c)
-    assert [blk.block_id for blk in hit] == [0, 1]
+    assert hit.num_tokens == 8 and _ids(hit) == [0, 1]
     assert kv.allocate(c, 1, hit) and kv.block_ids("c") == [0, 1, 2]
     assert _ref_counts(kv)[:3] == [1, 1, 1] and _free_queue(kv) == [3, 4, 5, 6, 7]
 
@@ -202,7 +206,7 @@ def test_identical_prompts_computed_together_cache_only_the_first_copy():
     kv.free(a)
     assert _free_queue(kv) == [2, 3, 4, 5, 1, 0]  # b's copies carry nothing to reuse: they go first
     c = _request("c", [1, 2, 3, 4, 9])
-    assert [blk.block_id for blk in kv.find_cached_prefix(c)] == [0, 1]
+    assert _ids(kv.find_cached_prefix(c)) == [0, 1]
 
 
 def test_evicting_unused_blocks_while_one_is_held_and_allocating_again():
@@ -220,14 +224,14 @@ def test_evicting_unused_blocks_while_one_is_held_and_allocating_again():
     assert kv.stats.evictions == 0  # nothing was evicted to make room
 
     b_again = _request("b2", [4, 5, 6])
-    assert kv.find_cached_prefix(b_again) == []  # b's content is gone
+    assert kv.find_cached_prefix(b_again).num_tokens == 0  # b's content is gone
     assert kv.allocate(b_again, 3) and kv.block_ids("b2") == [2, 3]
     _compute(kv, b_again, 3)
     assert kv.blocks[2].block_hash is not None and kv.num_cached_blocks == 2  # re-cached in the same block
 
     c = _request("c", [1, 2, 7])  # a's held block still serves hits after the eviction
     hit = kv.find_cached_prefix(c)
-    assert [blk.block_id for blk in hit] == [0]
+    assert _ids(hit) == [0]
     assert kv.allocate(c, 1, hit) and kv.block_ids("c") == [0, 4]
     assert _ref_counts(kv) == [2, 1, 1, 1, 1, 0] and _free_queue(kv) == [5]
     for r in (a, b_again, c):
@@ -248,7 +252,7 @@ def test_eviction_after_evict_all_reallocates_from_the_head():
     assert kv.evict_unused_cached_blocks() == 2
     assert _free_queue(kv) == [0, 1, 2, 3]
     b = _request("b", [1, 2, 3, 4, 5])
-    assert kv.find_cached_prefix(b) == []
+    assert kv.find_cached_prefix(b).num_tokens == 0
     assert kv.allocate(b, 5) and kv.block_ids("b") == [0, 1, 2]
     assert kv.stats.evictions == 0 and _free_queue(kv) == [3]
 
@@ -285,6 +289,59 @@ def test_a_preempted_request_is_looked_up_again_with_its_generated_tokens():
     kv.free(a)
     a.num_computed_tokens = 0
     hit = kv.find_cached_prefix(a)
-    assert [blk.block_id for blk in hit] == [0]  # block 1 holds (3, 4): only 3 was computed, so it was never cached
+    assert _ids(hit) == [0]  # block 1 holds (3, 4): only 3 was computed, so it was never cached
     assert kv.allocate(a, 2, hit) and kv.block_ids("a") == [0, 1]
     assert (kv.stats.queries, kv.stats.hits) == (3 + 4, 0 + 2)
+
+
+def test_layouts_group_layers_of_one_kind_in_groups_of_equal_size():
+    assert KVLayout.of((), 4) == KVLayout(((0, 1, 2, 3),), (0,))
+    assert KVLayout.of((8,) * 3, 3) == KVLayout(((0, 1, 2),), (8,))  # Mistral: one window everywhere
+    gemma = KVLayout.of((512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,), 18)  # Gemma 3 270M
+    assert gemma.groups == ((5, 11, 17), (0, 1, 2), (3, 4, 6), (7, 8, 9), (10, 12, 13), (14, 15, 16))
+    assert gemma.windows == (0, 512, 512, 512, 512, 512) and gemma.positions == 3
+    assert gemma.group_of[:7] == (1, 1, 1, 2, 2, 0, 2) and gemma.position_of[:7] == (0, 1, 2, 0, 1, 0, 2)
+    odd = KVLayout.of((4, 0, 4, 4, 0), 5)  # 3 window layers in groups of 2: the last one short
+    assert odd.groups == ((1, 4), (0, 2), (3,)) and odd.positions == 2
+
+
+def test_a_window_group_lets_go_of_the_blocks_its_window_has_passed():
+    """Window 6, blocks of 4: computing from position p, a window group keeps the blocks from
+    the one holding p - 5 on; the full-attention group keeps them all."""
+    kv = KVCacheManager(num_blocks=12, block_size=4, layout=KVLayout(((0,), (1,)), (0, 6)))
+    a = _request("a", list(range(20)))
+    assert kv.allocate(a, 10)  # positions 0-9: 3 blocks in each group
+    assert kv.block_ids("a", 0) == [0, 1, 2] and kv.block_ids("a", 1) == [3, 4, 5]
+    _compute(kv, a, 10)
+    assert kv.allocate(a, 1)  # position 10 sees 5..10: block 0 of the window group goes
+    assert kv.block_ids("a", 1) == [0, 4, 5] and kv.blocks[3].ref_count == 0
+    assert kv.num_free_blocks == 12 - 6 + 1
+    _compute(kv, a, 1)
+    assert kv.allocate(a, 3)  # positions 11-13: 11 sees 6..11, so block 1 stays
+    full, window = kv.block_ids("a", 0), kv.block_ids("a", 1)
+    assert full[:3] == [0, 1, 2] and window[:3] == [0, 4, 5] and len({full[3], window[3], 0, 1, 2, 4, 5}) == 7
+    _compute(kv, a, 3)
+    assert kv.allocate(a, 1)  # position 14 sees 9..14: block 1 goes
+    assert kv.block_ids("a", 1)[:3] == [0, 0, 5] and kv.blocks[4].ref_count == 0
+    kv.free(a)
+    assert kv.num_free_blocks == 12
+
+
+def test_a_window_groups_hit_needs_only_the_keys_the_next_token_sees():
+    """A hit of L tokens needs the full-attention group's blocks [0, L) and the window group's
+    blocks holding L - window + 1 .. L - 1; a window group missing one shortens the hit."""
+    kv = KVCacheManager(num_blocks=20, block_size=4, layout=KVLayout(((0,), (1,)), (0, 6)))
+    a = _request("a", list(range(17)))
+    assert kv.allocate(a, 17)  # one chunk: every block of both groups held, then registered
+    _compute(kv, a, 17)
+    kv.free(a)
+    b = _request("b", list(range(16)) + [99])  # 16 tokens of a's: 4 full blocks
+    hit = kv.find_cached_prefix(b)
+    assert hit.num_tokens == 16
+    assert _ids(hit, 0) == kv.block_ids("a", 0) or len(_ids(hit, 0)) == 4
+    assert _ids(hit, 1)[:2] == [None, None] and None not in _ids(hit, 1)[2:]  # keys 11..15: blocks 2, 3
+    assert kv.allocate(b, 1, hit) and kv.block_ids("b", 1)[:2] == [0, 0]
+    kv.free(b)
+    window_block_3 = kv._cached[(1, kv._chain(b, 4)[3])]
+    kv._uncache(window_block_3)  # as if evicted: the window group now lacks keys 12..15
+    assert kv.find_cached_prefix(b).num_tokens == 12  # the longest hit whose keys 7..11 are there

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from brisk.engine import runner as runner_module
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request
 from brisk.engine.runner import ModelRunner, _sampling_rows
@@ -142,3 +143,24 @@ def test_sampling_rows_share_the_request_tokens():
     assert (row.prompt_token_ids, row.output_token_ids, row.eos_token_ids) == ([1, 2, 3], [9], (2,))
     assert row.params is request.params and row.seed == 4 and row.num_output_tokens == 1
     assert row.token_ids is request.token_ids
+
+
+def test_prompt_logprobs_of_a_long_chunk_are_computed_a_few_rows_at_a_time(tiny_model, monkeypatch):
+    """A 50-token chunk's 49 prompt logprobs come from logits of at most PROMPT_LOGPROB_ROWS rows
+    at once (a 262k vocabulary would otherwise take 268 MB per 256 rows), and equal the
+    log-softmax of the whole chunk's logits."""
+    runner = ModelRunner(tiny_model, KVCacheManager(16, BLOCK_SIZE, False), "float32", CPU)
+    prompt = [3 + (7 * i) % 90 for i in range(50)]
+    chunk = _chunk(runner, "long", prompt, 0, 50, prompt_logprobs=1)
+    widths, compute = [], tiny_model.compute_logits
+    monkeypatch.setattr(tiny_model, "compute_logits", lambda h: widths.append(h.shape[0]) or compute(h))
+    first, entries = runner.execute(SchedulerOutput([chunk])).prompt_logprobs["long"]
+    assert first == 1 and len(entries) == 49
+    assert max(widths[1:]) <= runner_module.PROMPT_LOGPROB_ROWS < 49  # widths[0]: the sampled row
+    fresh = ModelRunner(tiny_model, KVCacheManager(16, BLOCK_SIZE, False), "float32", CPU)
+    batch = fresh._prepare(SchedulerOutput([_chunk(fresh, "long", prompt, 0, 50)]))
+    with torch.inference_mode():
+        hidden = tiny_model(batch.input_ids, batch.positions, fresh.kv_caches, batch.attn)
+        expected = torch.log_softmax(compute(hidden[:49]), dim=-1)
+    for i, entry in enumerate(entries):
+        assert entry[prompt[i + 1]].logprob == pytest.approx(float(expected[i, prompt[i + 1]]), abs=1e-5)

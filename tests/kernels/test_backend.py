@@ -32,13 +32,9 @@ def test_each_device_gets_its_backend():
     ("avx2 avx512f avx512_bf16 avx512_vnni", torch.bfloat16),  # Zen 4
     ("avx2 amx_bf16 amx_tile", torch.bfloat16),  # Sapphire Rapids' AMX
 ])
-def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch, flags, expected):
-    from brisk.model.loader import resolve_dtype
-
+def test_the_fast_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch, flags, expected):
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)  # the host, not a kernel choice
     assert fast_dtype(torch.device("cpu")) == expected
-    assert resolve_dtype("auto", torch.device("cpu")) == expected
-    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32  # an explicit choice stands
     assert fast_dtype(torch.device("cuda")) == torch.bfloat16
 
 

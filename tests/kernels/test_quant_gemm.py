@@ -35,7 +35,7 @@ def _file_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tens
     return torch.from_numpy(blocks.copy()), gguf.quants.dequantize(blocks, KINDS[kind]).astype(np.float64)
 
 
-def _rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+def rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """Per output, half an int8 step of each x block times |w| summed, plus float32 noise."""
     m, k = x.shape
     step = x.abs().view(m, -1, 32).amax(dim=2).repeat_interleave(32, dim=1).double() / 127
@@ -58,7 +58,7 @@ def test_batched_products_stay_within_the_activations_rounding_of_the_gguf_refer
     for m in (9, 16, 17, 67, 512):
         y = cpu_kernels.quant_linear(x[:m], weight, march=march).double()
         error = (y - x[:m].double() @ dense.T).abs()
-        assert (error <= _rounding_bound(x[:m], dense)).all(), (kind, cols, m, march)
+        assert (error <= rounding_bound(x[:m], dense)).all(), (kind, cols, m, march)
         assert (error > 0).any()  # activations are rounded: not the float product
 
 
@@ -83,6 +83,13 @@ def test_the_fused_decode_step_runs_the_batched_product_as_layer_by_layer_does(t
     (decode_layers.c) and the layers one by one (quant_linear.c) both take the panel product."""
     engine = LLM(tiny_model_dir, dtype="float32", quantization="int4", int8_activations=True, num_kv_blocks=128,
                  block_size=4, max_model_len=256).engine
+    fused, layered = fused_and_layered(engine, monkeypatch)
+    assert (fused - layered).abs().max().item() < 1e-4 * layered.abs().max().item()
+
+
+def fused_and_layered(engine, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of 11 sequences through the fused step (checked to run as one call), then
+    layer by layer: the two final hidden states."""
     # 11 sequences: register tiles of 8, 2 and 1 rows
     requests = [Request(f"r{n}", list(range(3, 3 + n)), SamplingParams(max_tokens=1)) for n in range(2, 13)]
     for r in requests:
@@ -96,5 +103,4 @@ def test_the_fused_decode_step_runs_the_batched_product_as_layer_by_layer_does(t
     fused = fused_decode._forward(engine, decodes)
     assert calls == [1]
     engine.model.use_kernels(cpu_kernels.CBackend(fuse_decode=False))
-    layered = fused_decode._forward(engine, decodes)
-    assert (fused - layered).abs().max().item() < 1e-4 * layered.abs().max().item()
+    return fused, fused_decode._forward(engine, decodes)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
-from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, from_gguf_blocks, quantize
+from brisk.quant.formats import GGUF_BLOCK_BYTES, K_QUANTS, QuantizedTensor, from_gguf_blocks, quantize
 from tests.helpers import require_c_compiler
 
 require_c_compiler()
@@ -21,25 +21,29 @@ require_c_compiler()
 FLOAT_FORMATS = ("int8", "fp8", "int4", "nf4")
 
 
-def _gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
-    """Random, valid GGUF blocks (small fp16 scales and mins, any codes), as the loader keeps them."""
+# where each kind keeps its f16 scales (d, and dmin or the minimum) in a block
+F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1": (0, 2), "q4_k": (0, 2),
+              "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Random, valid GGUF blocks of a [rows, cols] matrix (small fp16 scales and mins, any codes
+    and sub-block scales), [rows, bytes per row] as a file has them."""
     g = torch.Generator().manual_seed(seed)
-    n = rows * cols // 32
-    halves = lambda: (torch.rand(n, 1, generator=g) * 0.02 + 0.001).half().view(torch.uint8)  # noqa: E731
-    codes = torch.randint(0, 256, (n, GGUF_BLOCK_BYTES[kind] - (4 if kind == "q4_1" else 2)), generator=g,
-                          dtype=torch.uint8)
+    n = rows * cols // (256 if kind in K_QUANTS else 32)
+    blocks = torch.randint(0, 256, (n, GGUF_BLOCK_BYTES[kind]), generator=g, dtype=torch.uint8)
     if kind == "q8_0":
-        codes[codes == 128] = 129  # -128 is never written by ggml's rounding (|q| <= 127)
-    parts = [halves(), halves(), codes] if kind == "q4_1" else [halves(), codes]
-    return from_gguf_blocks(kind, (rows, cols), torch.cat(parts, dim=1).reshape(rows, -1))
+        blocks[blocks == 128] = 129  # -128 is never written by ggml's rounding (|q| <= 127)
+    for at in F16_FIELDS[kind]:
+        blocks[:, at:at + 2] = (torch.rand(n, 1, generator=g) * 0.02 + 0.001).half().view(torch.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def _weights(rows: int, cols: int) -> list[QuantizedTensor]:
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
     made = [quantize(w, f, group) for f in FLOAT_FORMATS for group in ((32, 64, 128) if f in ("int4", "nf4") else (64,))]
-    if cols % 32 == 0:
-        made += [_gguf_blocks(kind, rows, cols) for kind in GGUF_BLOCK_BYTES]
-    return made
+    return made + [from_gguf_blocks(kind, (rows, cols), random_gguf_blocks(kind, rows, cols)) for kind in GGUF_BLOCK_BYTES
+                   if cols % (256 if kind in K_QUANTS else 32) == 0]
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rel: float) -> None:
@@ -49,7 +53,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
     assert ((y.double() - ref).abs() <= bound).all(), ((y.double() - ref).abs() / bound).max()
 
 
-@pytest.mark.parametrize("rows, cols", [(37, 45), (19, 131), (40, 96), (8, 576)])
+@pytest.mark.parametrize("rows, cols", [(37, 45), (19, 131), (40, 96), (8, 576), (11, 512)])
 def test_every_format_matches_its_dequantized_matrix(rows, cols):
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(rows)
@@ -60,7 +64,7 @@ def test_every_format_matches_its_dequantized_matrix(rows, cols):
             _check(cpu_kernels.quant_linear(x[:m], kernel), x[:m], dense, bias, 1e-5)
 
 
-@pytest.mark.parametrize("rows, cols", [(37, 45), (13, 235), (24, 576)])  # 1, 7 and 18 full blocks
+@pytest.mark.parametrize("rows, cols", [(37, 45), (13, 235), (24, 576), (9, 768)])  # 1, 7, 18 and 24 full blocks
 def test_int8_activations_stay_within_their_rounding(rows, cols):
     """Each block of x is rounded to int8 with step amax/127: the product moves by at most half
     a step per element times |w|, plus float noise."""
@@ -95,7 +99,7 @@ def _before_a_guard_page(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="mprotect through libc")
-@pytest.mark.parametrize("cols", [32, 96, 235])  # an odd number of full blocks, the last one alone
+@pytest.mark.parametrize("cols", [32, 96, 235, 256])  # an odd number of full blocks, the last one alone; a super-block
 def test_no_kernel_reads_past_the_last_block_of_the_codes(cols):
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(5))
     for weight in _weights(3, cols):
@@ -125,8 +129,8 @@ def test_activation_rounding_refuses_formats_without_an_integer_product():
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 + FMA path; the portable C path
 def test_avx2_and_portable_builds_agree_with_the_host_build(march):
-    x = torch.randn(12, 320, generator=torch.Generator().manual_seed(4))  # 10 blocks, int4 groups of 64 and 128
-    for weight in _weights(21, 320):
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(4))  # 16 blocks, int4 groups of 64 and 128
+    for weight in _weights(21, 512):
         for activations in (False, True) if weight.format in cpu_kernels.INT8_ACTIVATION_FORMATS else (False,):
             kernel = cpu_kernels.KernelWeight.quantized(weight, quantize_activations=activations)
             for m in (1, 3, 12):

@@ -46,7 +46,7 @@ def test_auto_says_what_it_chose_and_hashes_as_its_explicit_flags(real_model_pat
 _MEASURE = """
 import json, sys, torch
 from brisk.config import EngineConfig
-from brisk.model.loader import load_model, open_checkpoint, resolve_dtype, resolve_weight_mode
+from brisk.model.loader import load_model, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.quant.modules import weight_footprint
 
 def anonymous() -> int:
@@ -55,7 +55,7 @@ def anonymous() -> int:
 
 config = EngineConfig(model=sys.argv[1], device="cpu")
 checkpoint = open_checkpoint(config.model)
-dtype = resolve_dtype(config.dtype, config.torch_device)
+dtype = resolve_precision(config, checkpoint, config.torch_device).dtype
 mode = resolve_weight_mode(config, checkpoint, config.torch_device, dtype)
 before = anonymous()
 model = load_model(checkpoint, dtype, config.torch_device, 2048, mode.quantization, mode.group_size,

@@ -49,7 +49,9 @@ def test_chat_template_matches_transformers(real_llm, real_hf_tokenizer, convers
 def test_special_tokens_and_eos(real_llm):
     tok = real_llm.tokenizer
     assert tok.encode("<|im_end|>") == [2]
-    assert tok.eos_token_ids == [2]
+    # the file's EOS first, then the special tokens llama.cpp also stops at: <|endoftext|> and the
+    # fill-in-the-middle repo-name token
+    assert tok.eos_token_ids == [2, 0, 4]
     assert tok.decode([1, 28120, 2]) == tok.decode([28120])  # specials skipped by default
 
 

@@ -5,12 +5,16 @@ error naming the field."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from brisk import LLM
 from brisk.config import ConfigError, EngineConfig
-from brisk.model.loader import Checkpoint, WeightMode, resolve_weight_mode
+from brisk.model import loader
+from brisk.kernels import cpu as cpu_kernels
+from brisk.model.loader import Checkpoint, Precision, WeightMode, resolve_precision, resolve_weight_mode
 from brisk.quant.checkpoint import QuantizedLayout
 from brisk.transport.client import ModelInfo
 from tests.conftest import build_tiny_checkpoint
@@ -39,6 +43,24 @@ def test_auto_keeps_a_gguf_files_blocks_on_cpu_with_int8_activations():
     assert auto == _resolve(_gguf("Q4_1", "Q8_0"), int8_activations=True)  # asking for what auto does anyway
 
 
+@pytest.mark.parametrize("flags, sixteen_bits", [("avx2 avx512f avx512_bf16", "bfloat16"), ("avx2 fma", "float16")])
+def test_the_files_blocks_run_float32_activations_over_a_16_bit_cache(monkeypatch, flags, sixteen_bits):
+    """As llama.cpp: the blocks hold the weights, activations are float32, the cache 16-bit (bf16
+    where the CPU multiplies it); an explicit dtype or cache kind stands, and floats follow the
+    fast dtype, their cache the dtype."""
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    fast = torch.bfloat16 if sixteen_bits == "bfloat16" else torch.float32
+    blocks = _gguf("Q4_1", "Q8_0")
+    assert resolve_precision(EngineConfig(), blocks, CPU) == Precision(torch.float32, sixteen_bits)
+    assert resolve_precision(EngineConfig(quantization="gguf"), blocks, CPU) == Precision(torch.float32, sixteen_bits)
+    assert resolve_precision(EngineConfig(kv_cache_dtype="int8"), blocks, CPU) == Precision(torch.float32, "int8")
+    assert resolve_precision(EngineConfig(dtype="bfloat16"), blocks, CPU) == Precision(torch.bfloat16, "bfloat16")
+    dequantized = resolve_precision(EngineConfig(quantization="none"), blocks, CPU)
+    assert dequantized == Precision(fast, str(fast).removeprefix("torch."))
+    assert resolve_precision(EngineConfig(), _folder(), CPU) == dequantized
+    assert resolve_precision(EngineConfig(), blocks, GPU) == Precision(torch.bfloat16, "bfloat16")
+
+
 def test_auto_runs_floats_on_a_host_without_a_c_compiler(monkeypatch):
     """The blocks' integer products are C kernels; torch would dequantize them at every step."""
     from brisk.kernels import cpu
@@ -48,9 +70,24 @@ def test_auto_runs_floats_on_a_host_without_a_c_compiler(monkeypatch):
 
 
 def test_auto_keeps_the_kinds_it_can_and_dequantizes_the_rest():
-    mode = _resolve(_gguf("Q4_K", "Q6_K", "Q8_0"))
+    mode = _resolve(_gguf("Q3_K", "Q4_K", "Q5_0", "Q6_K", "Q8_0", "IQ4_XS"))
     assert (mode.quantization, mode.name) == ("gguf", "gguf+a8")
-    assert mode.weights == "the file's Q8_0 blocks, its Q4_K+Q6_K matrices dequantized to bfloat16, int8 activations"
+    assert mode.weights == ("the file's Q4_K+Q5_0+Q6_K+Q8_0 blocks, its Q3_K+IQ4_XS matrices dequantized to "
+                            "bfloat16, int8 activations")
+
+
+def test_gguf_says_in_the_log_which_matrices_it_dequantizes_and_why(caplog):
+    matrices = (("token_embd.weight", "Q8_0"), ("blk.0.attn_q.weight", "Q5_0"), ("blk.0.ffn_down.weight", "Q3_K"),
+                ("blk.1.ffn_down.weight", "IQ4_XS"), ("blk.0.ffn_up.weight", "F16"))
+    checkpoint = Checkpoint("/models/m.gguf", "gguf", None, None, None, matrix_tensors=matrices)
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        loader._log_dequantized(checkpoint, torch.float32)
+        loader._log_dequantized(Checkpoint("/models/m.gguf", "gguf", None, None, None, matrix_tensors=matrices[:2]),
+                                torch.float32)
+    assert [r.getMessage() for r in caplog.records] == [
+        "m.gguf: 2 matrices stored as IQ4_XS+Q3_K are dequantized to float32, as brisk has no product for those "
+        "kinds (it multiplies Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks as stored): "
+        "blk.0.ffn_down.weight, blk.1.ffn_down.weight"]
 
 
 @pytest.mark.parametrize("checkpoint, device, name, weights", [
