@@ -10,9 +10,9 @@ vLLM has the same knob.
 This module imports nothing of brisk, so any layer may read it. The values a knob accepts that
 a lower layer defines (KV cache kinds and quantization group sizes: the kernels'; quantization
 methods: brisk/quant's) are spelled out here again, and tests/kernels/test_backend.py checks
-that the two agree. Defaults that depend on the host or the file (dtype "auto": bf16 only where
-the CPU multiplies it natively; quantization "auto": a GGUF file's own blocks on CPU) are resolved
-where the model loads (model/loader.py: resolve_precision, resolve_weight_mode).
+that the two agree. Defaults that depend on the host or the file (dtype "auto": float32
+activations over a GGUF file's own blocks on CPU, else bf16 only where the CPU multiplies it
+natively; quantization "auto": a GGUF file's own blocks on CPU) are resolved where the model loads (model/loader.py: resolve_precision, resolve_weight_mode).
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ class EngineConfig:
                 "+0.2% over float32); elsewhere (a GPU, a safetensors folder) as none. none: the weights in "
                 "--dtype (a GGUF file dequantized, a `brisk quantize` folder as stored). Or fewer bits: int8 (per "
                 "channel), fp8 (e4m3, per channel), int4 (groups with zero points), nf4 (normal-float groups), gguf "
-                "(a GGUF file's own values: Q8_0 blocks as stored, Q4_0/Q4_1 repacked bit for bit into int4), or "
+                "(a GGUF file's own values: Q8_0 and K-quant blocks as stored, Q4_0/Q4_1 and Q5_0/Q5_1 repacked bit "
+                "for bit into int4 and int5, other kinds dequantized), or "
                 "w8a8 (int8 with --int8-activations); the embedding table and LM head get 8 bits. The start log line "
                 "and /v1/model/info name the mode chosen.")
     quantization_group_size: int = knob(

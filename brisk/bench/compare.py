@@ -135,6 +135,18 @@ class LlamaCpp:
         return run["avg_ts"], run["stddev_ts"]
 
 
+    def batched_speed(self, model_path: str, threads: int, prompt: int, generated: int, sequences: int) -> dict:
+        """`llama-batched-bench`: `sequences` prompts of `prompt` tokens, each then generating
+        `generated`, all in one batch (its default: one unified KV cache). Its JSON line: t (s),
+        speed (all tokens / t), speed_pp and speed_tg (tok/s of each phase)."""
+        result = subprocess.run([self.program("llama-batched-bench"), "--model", model_path, "--threads", str(threads),
+                                 "--ctx-size", str(sequences * (prompt + generated) + 256),
+                                 "--batch-size", str(LLAMA_BATCH), "--ubatch-size", str(LLAMA_UBATCH),
+                                 "-npp", str(prompt), "-ntg", str(generated), "-npl", str(sequences),
+                                 "--output-format", "jsonl"], capture_output=True, text=True, timeout=1800, check=True)
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def slot_context(requests: list[LoadRequest], prompt_tokens: list[int]) -> int:
     """Tokens one llama-server slot must hold for the longest request, rounded up to 256."""
     longest = max(n + r.max_tokens for n, r in zip(prompt_tokens, requests)) + SLOT_MARGIN
@@ -185,7 +197,8 @@ def main(args) -> None:
     checkpoint = open_checkpoint(model_path)
     dtype = resolve_precision(config, checkpoint, config.torch_device).dtype
     mode = resolve_weight_mode(config, checkpoint, config.torch_device, dtype)  # as the served engine resolves it
-    prompts = [checkpoint.tokenizer.encode_chat(r.messages) for r in requests]
+    tokenizer = checkpoint.tokenizer.with_chat_template(config.chat_template)  # as the served engine renders chats
+    prompts = [tokenizer.encode_chat(r.messages) for r in requests]
     asked = sum(r.max_tokens for r in requests)
     print(machine())
     print(f"model: {os.path.basename(model_path)}; brisk engine: dtype {config.dtype}, weights {mode.name} "

@@ -5,8 +5,10 @@ Per configuration: the bytes of weights a decode step reads, single-stream decod
 weight GB/s that implies, the offline throughput workload (`brisk bench throughput`'s prompts,
 all at once), and perplexity over the first N tokens of Pride and Prejudice. llama.cpp gets
 the single-stream row: its own `llama-bench` (tg N, no prompt) on the same file and thread count,
-from `make llama-cpp` (brisk/bench/compare.py's LlamaCpp); its batched figures are `brisk bench
-compare`'s, against llama-server.
+from `make llama-cpp` (brisk/bench/compare.py's LlamaCpp), and, where every prompt has one length
+(--min-prompt-len = --max-prompt-len), the offline row: `llama-batched-bench` with as many
+sequences of as many prompt and output tokens, counted as brisk's rows are (output tokens over
+the whole run); served figures are `brisk bench compare`'s, against llama-server.
 
 Single-stream decode is the number the low-bit targets are ratios of, and on a shared 2-core
 machine one run of a configuration can be 30% off the next. So every configuration (and
@@ -41,6 +43,7 @@ from brisk.model.loader import open_checkpoint
 # KV cache kinds, then the combination meant for batched throughput.
 ROW_DEFAULTS = {"dtype": "float32", "quantization": "none", "int8_activations": False, "kv_cache_dtype": "auto"}
 CONFIGS: dict[str, dict] = {
+    "auto": {"dtype": "auto", "quantization": "auto"},  # what brisk runs with no flags
     "float32": {},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
@@ -151,6 +154,19 @@ def _llama_cpp_decoder(model_path: str, decode_len: int, llama_cpp_bin: str | No
     return lambda: llama.decode_speed(model_path, torch.get_num_threads(), decode_len, repetitions=1)[0]
 
 
+def _llama_cpp_offline(model_path: str, args) -> float | None:
+    """llama-batched-bench's output tok/s on the offline workload's shape, where it has one."""
+    if not args.num_prompts or args.min_prompt_len != args.max_prompt_len:
+        return None
+    llama = LlamaCpp.find(args.llama_cpp_bin)
+    run = llama.batched_speed(model_path, torch.get_num_threads(), args.min_prompt_len, args.output_len,
+                              args.num_prompts)
+    print(f"llama.cpp: llama-batched-bench, {args.num_prompts} x ({args.min_prompt_len} + {args.output_len}) tokens: "
+          f"{run['speed']:.1f} tok/s in all (prompts {run['speed_pp']:.1f}, generation {run['speed_tg']:.1f}) over "
+          f"{run['t']:.2f} s")
+    return args.num_prompts * args.output_len / run["t"]
+
+
 def main(args) -> None:
     labels = args.configs or list(CONFIGS)
     unknown = [m for m in labels if m not in CONFIGS]
@@ -190,7 +206,8 @@ def main(args) -> None:
     for row in rows:
         row.decode = decode[row.label]
     if "llama.cpp" in decode:  # llama.cpp reads the file's tensors as stored: its size stands in for the bytes
-        rows.append(Row("llama.cpp (same GGUF)", os.path.getsize(model_path) / 1e6, decode["llama.cpp"]))
+        rows.append(Row("llama.cpp (same GGUF)", os.path.getsize(model_path) / 1e6, decode["llama.cpp"],
+                        _llama_cpp_offline(model_path, args)))
 
     base = rows[0]
     print("\n| configuration | weights MB | decode tok/s (vs first row) | weight GB/s | offline tok/s | perplexity |")

@@ -87,6 +87,15 @@ SECTIONS = (
             ("bench", "quant"),
             ("--configs", "float32", "int4", "gguf", "--num-prompts", "8", "--output-len", "32",
              "--perplexity-tokens", "1024", "--decode-len", "32", "--repeats", "1")),
+    Section("gemma", "Gemma 3 270M (Q4_K_M): the file's own blocks against llama.cpp",
+            "The one other real model: its file dequantized (float32) and as stored (gguf: float activations; "
+            "auto: the default, int8 activations), beside llama-bench's single stream and llama-batched-bench's 32 sequences of "
+            "128 + 128 tokens on the same file and threads.",
+            ("bench", "quant", "--model", "data/gemma-3-270m-q4_k_m.gguf", "--configs", "float32", "gguf", "auto",
+             "--num-prompts", "32", "--min-prompt-len", "128", "--max-prompt-len", "128", "--output-len", "128",
+             "--perplexity-tokens", "4096", "--decode-len", "128", "--repeats", "3"),
+            ("--configs", "auto", "--num-prompts", "8", "--output-len", "32", "--perplexity-tokens", "1024",
+             "--decode-len", "32", "--repeats", "1")),
     Section("prefix", "Prefix caching", "A shared system prompt and multi-turn chats, prefix caching on and off.",
             ("bench", "prefix"), ("--num-requests", "8", "--conversations", "4", "--turns", "3")),
     Section("fairness", "Fair prefill", "TTFT of short requests while a long prompt prefills.",

@@ -102,9 +102,7 @@ class DecodeGraphs:
         groups = [AttentionMetadata(slot_blocks[:size], self.slot_offsets[:size], num_decodes=size,
                                     decode_block_tables=tables[:size], decode_context_lens=self.context_lens[:size])
                   for slot_blocks, tables in zip(self.slot_blocks, self.block_tables)]
-        if self.layer_groups is not None:
-            groups[0].groups, groups[0].layer_groups = groups, self.layer_groups
-        return groups[0]
+        return AttentionMetadata.grouped(groups, self.layer_groups)
 
     def serves(self, meta: AttentionMetadata) -> bool:
         """Whether this step replays: plain decode rows only, no more than the largest size."""

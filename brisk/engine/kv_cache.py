@@ -13,8 +13,9 @@ block id names a block of the first layer of whichever group holds it, of its se
 on (the runner keeps one cache tensor per position in a group; the layers at the same position
 of different groups share it). A window group lets go of a request's blocks once the window
 has passed them (`allocate`), so a long context costs what the full-attention layers need plus
-about a window per window layer. Freed entries stay in the table as None (the kernels never read
-below a window's start; the runner writes them as block 0).
+about a window per window layer. Freed entries stay in the table as None, which the runner
+writes as block 0: the C and Triton kernels never read below a window's start, and the torch
+formulation, which gathers whole tables, masks them.
 
 Prefix caching. Once a block is full, it is registered under a hash chained over its parent's
 hash, its token ids and the request's cache salt::
@@ -33,7 +34,7 @@ block to evict". Blocks with no cached content are put at the head, so they go f
 
 Invariants, asserted where they can break (cheap checks: none scans the pool):
 - a block is in the free queue exactly when its ref_count is 0;
-- a block with a hash is the one the cache maps that hash to: `_cached[b.block_hash] is b`;
+- a block with a hash is the one the cache maps that hash to: `_cached[(b.group, b.block_hash)] is b`;
 - a request's table holds only blocks with ref_count >= 1 (and None where a window let go).
 """
 
@@ -85,12 +86,14 @@ class KVLayout:
         rarest kind has layers (Gemma 3 270M: 3 global layers, 15 window layers in 5 groups)."""
         windows = layer_windows or (0,) * num_layers
         kinds = sorted(set(windows))
-        if len(kinds) == 1:
-            return cls((tuple(range(num_layers)),), (kinds[0],))
         members = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
         size = min(len(m) for m in members.values())
-        groups = [(w, tuple(m[i:i + size])) for w in kinds for m in [members[w]] for i in range(0, len(m), size)]
-        return cls(tuple(g for _, g in groups), tuple(w for w, _ in groups))
+        groups, group_windows = [], []
+        for window in kinds:
+            for first in range(0, len(members[window]), size):
+                groups.append(tuple(members[window][first:first + size]))
+                group_windows.append(window)
+        return cls(tuple(groups), tuple(group_windows))
 
     @property
     def positions(self) -> int:
@@ -114,11 +117,12 @@ class KVLayout:
         return sum(end - _first_block(num_tokens, window, block_size) for window in self.windows)
 
     def max_blocks(self, max_len: int, max_chunk: int, block_size: int) -> int:
-        """The most blocks one sequence of up to max_len tokens holds, computed in chunks of up
-        to max_chunk tokens: the pool must have at least as many."""
-        last_chunk_start = max(max_len - max_chunk, 0)
-        return max(self.blocks_held(last_chunk_start, block_size, max_len - last_chunk_start),
-                   self.blocks_held(max_len - 1, block_size))
+        """The most blocks one sequence of up to max_len tokens can hold, computed in chunks of
+        up to max_chunk tokens wherever they start: the pool must have at least as many. A window
+        group holds a chunk's blocks and the window's before them, one more where they straddle."""
+        whole = -(-max_len // block_size)
+        return sum(min(whole, -(-(max_chunk + window - 1) // block_size) + 1) if window else whole
+                   for window in self.windows)
 
 
 def _first_block(position: int, window: int, block_size: int) -> int:
@@ -133,6 +137,7 @@ class PrefixHit:
 
     num_tokens: int
     blocks: list[list[KVBlock | None]]
+    hashes: tuple[int, ...] = ()  # the chain hashes of its blocks
 
 
 class KVCacheManager:
@@ -149,6 +154,7 @@ class KVCacheManager:
         self._cached: dict[tuple[int, int], KVBlock] = {}  # (group, block hash) -> block
         self._tables: dict[str, list[list[KVBlock | None]]] = {}  # per group
         self._hashes: dict[str, list[int]] = {}  # hash chain of each request's registered full blocks
+        self._released: dict[str, list[int]] = {}  # per request and group: table entries a window let go
         self.stats = PrefixCacheStats()
 
     @property
@@ -184,10 +190,12 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         found: list[list[KVBlock | None]] = [[] for _ in self.windows]
+        chain: list[int] = []
         parent, length = None, 0
         for i in range(max_blocks):
             tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
             parent = chain_hash(parent, tokens, request.cache_salt)
+            chain.append(parent)
             for g in range(len(self.windows)):
                 block = self._cached.get((g, parent))
                 if block is not None and block.token_ids != tokens:
@@ -202,7 +210,7 @@ class KVCacheManager:
             length -= 1  # a window group misses a key the next token sees: shorten the hit
         return PrefixHit(length * bs, [[b if i >= _first_block(length * bs, window, bs) else None
                                          for i, b in enumerate(found[g][:length])]
-                                        for g, window in enumerate(self.windows)])
+                                        for g, window in enumerate(self.windows)], tuple(chain[:length]))
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Makes room for `num_new_tokens` more tokens of `request`; False if the pool is full
@@ -218,7 +226,7 @@ class KVCacheManager:
                    for g, blocks in enumerate(hit.blocks) for b in blocks), "a prefix hit is no longer cached"
         num_computed = hit.num_tokens if tables is None else request.num_computed_tokens
         if tables is not None:
-            self._release_passed(tables, num_computed)
+            self._release_passed(request.request_id, tables, num_computed)
         hits = [] if tables is not None else [b for blocks in hit.blocks for b in blocks if b is not None]
         needed = sum(-(-(num_computed + num_new_tokens) // self.block_size)
                      - (len(tables[g]) if tables is not None else len(hit.blocks[g]))
@@ -228,7 +236,7 @@ class KVCacheManager:
             return False
         if tables is None:
             tables = self._tables[request.request_id] = [list(blocks) for blocks in hit.blocks]
-            self._hashes[request.request_id] = []
+            self._released[request.request_id] = [0] * len(self.windows)
             if self.enable_prefix_caching:  # counted once per admission, not per retry while waiting
                 self.stats.queries += request.num_tokens
                 self.stats.hits += num_computed
@@ -238,30 +246,26 @@ class KVCacheManager:
                 else:
                     assert block.block_id not in self._free, f"block {block.block_id} is held and free"
                 block.ref_count += 1
-            self._hashes[request.request_id] = self._chain(request, num_computed // self.block_size)
+            self._hashes[request.request_id] = list(hit.hashes)
         for table in tables:
             while len(table) * self.block_size < num_computed + num_new_tokens:
                 table.append(self._take_free_block())
         return True
 
-    def _release_passed(self, tables: list[list[KVBlock | None]], num_computed: int) -> None:
+    def _release_passed(self, request_id: str, tables: list[list[KVBlock | None]], num_computed: int) -> None:
         """A window group's blocks wholly before the window of the next token to compute: no
         later token of the request reads them (its tokens only move forward; a verify pass's
-        rejected rows roll back to no earlier than where it started)."""
+        rejected rows roll back to no earlier than where it started). Each group's cursor keeps
+        a step's work to the blocks the window just passed."""
+        released = self._released[request_id]
         for g, window in enumerate(self.windows):
-            for i in range(_first_block(num_computed, window, self.block_size)):
+            first = _first_block(num_computed, window, self.block_size)
+            for i in range(released[g], first):
                 block = tables[g][i]
                 if block is not None:
                     tables[g][i] = None
                     self._unref(block)
-
-    def _chain(self, request: Request, num_blocks: int) -> list[int]:
-        hashes, parent = [], None
-        for i in range(num_blocks):
-            parent = chain_hash(parent, tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size]),
-                                request.cache_salt)
-            hashes.append(parent)
-        return hashes
+            released[g] = max(released[g], first)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's blocks that are now full of computed tokens, in every group
@@ -294,19 +298,19 @@ class KVCacheManager:
             while len(table) > keep:
                 block = table.pop()
                 assert block.ref_count == 1 and block.block_hash is None, f"block {block.block_id} is shared or cached"
-                block.ref_count = 0
-                self._free[block.block_id] = block
-                self._free.move_to_end(block.block_id, last=False)
+                self._unref(block)
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks; cached ones stay reusable until evicted."""
         tables = self._tables.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
-        # Tail blocks first, so a prefix's head (shared by most requests) is the last evicted.
-        for table in tables:
-            for block in reversed(table):
-                if block is not None:
-                    self._unref(block)
+        self._released.pop(request.request_id, None)
+        # Tail blocks first, every group's at each index, so a prefix's head (shared by most
+        # requests, and what every hit needs of a full-attention group) is the last evicted.
+        for i in reversed(range(len(tables[0]) if tables else 0)):
+            for table in tables:
+                if table[i] is not None:
+                    self._unref(table[i])
 
     def _unref(self, block: KVBlock) -> None:
         assert block.ref_count > 0, f"block {block.block_id} freed more often than it was taken"

@@ -145,11 +145,11 @@ class ModelRunner:
             tokens.append(input_ids)
             if step + 1 < steps:
                 positions = positions + 1
-                attn = self._group_metadata([AttentionMetadata(
+                attn = AttentionMetadata.grouped([AttentionMetadata(
                     slot_blocks=g.decode_block_tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1),
                     slot_offsets=positions % self.block_size, num_decodes=attn.num_decodes,
                     decode_block_tables=g.decode_block_tables, decode_context_lens=attn.decode_context_lens + 1)
-                    for g in attn.groups or [attn]])
+                    for g in attn.groups or [attn]], self._layer_groups)
         rows = torch.stack(tokens, dim=1).tolist()
         return RunnerOutput(sampled={c.request.request_id: row for c, row in zip(batch.sample_chunks, rows)})
 
@@ -239,15 +239,9 @@ class ModelRunner:
             attn.prefills = [self._prefill_span(chunk, row, tables[g][chunk.request.request_id])
                              for chunk, row in prefill_chunks]
             groups.append(attn)
-        return _Batch(input_ids=input_ids, positions=positions, attn=self._group_metadata(groups),
-                      sample_rows=sample_rows, sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows)
-
-    def _group_metadata(self, groups: list[AttentionMetadata]) -> AttentionMetadata:
-        """One step's metadata for the model: the first group's, carrying every group's when the
-        layers keep their K/V in several (AttentionMetadata.groups)."""
-        if self._layer_groups is not None:
-            groups[0].groups, groups[0].layer_groups = groups, self._layer_groups
-        return groups[0]
+        return _Batch(input_ids=input_ids, positions=positions,
+                      attn=AttentionMetadata.grouped(groups, self._layer_groups), sample_rows=sample_rows,
+                      sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows)
 
     @staticmethod
     def _decode_tables(decodes: list[ScheduledChunk], block_ids: dict[str, list[int]]) -> list[list[int]]:

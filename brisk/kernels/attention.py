@@ -7,7 +7,9 @@ same kinds, every prefill chunk of a step in one launch); elsewhere (no C compil
 shapes the kernels do not take) in the torch formulation below, which is also their reference
 in the tests.
 
-Cache layout, per layer (a KVCacheLayer; int8 adds a scale per token and head)::
+Cache layout, per layer (a KVCacheLayer; int8 adds a scale per token and head; layers whose K/V
+sit in groups share one per position in a group, each group through its own block tables:
+engine/kv_cache.py)::
 
     k_cache[block_id, kv_head, head_dim, offset_in_block]    shape [num_blocks, H_kv, D, B]
     v_cache[block_id, kv_head, offset_in_block, head_dim]    shape [num_blocks, H_kv, B, D]
@@ -103,6 +105,14 @@ class AttentionMetadata:
     layer_groups: tuple[int, ...] | None = None
     _decode_padding: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _prefill_batch: PrefillBatch | None = field(default=None, repr=False, compare=False)
+
+    @staticmethod
+    def grouped(groups: list[AttentionMetadata], layer_groups: tuple[int, ...] | None) -> AttentionMetadata:
+        """One step's metadata from each group's (the first's, carrying the others), or the only
+        group's where layer_groups is None."""
+        if layer_groups is not None:
+            groups[0].groups, groups[0].layer_groups = groups, layer_groups
+        return groups[0]
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` reads: its group's."""

@@ -3,8 +3,9 @@
 
 The header is parsed here with `struct` rather than by `gguf.GGUFReader`, which took 5.7 s on the
 default model (it builds a numpy view per vocabulary string); this takes a fraction of a second.
-Weights are dequantized to the requested dtype at load time. The common block formats (Q4_0,
-Q4_1, Q8_0) are unpacked with vectorized torch ops; the `gguf` package's numpy dequantizer was
+Weights are dequantized to the requested dtype at load time, unless kept as the file's blocks.
+The block kinds brisk keeps (GGUF_BLOCK_BYTES: Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) are
+unpacked with vectorized torch ops; the `gguf` package's numpy dequantizer was
 10x slower on them and remains the fallback for the rest.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from brisk.quant.formats import GGUF_BLOCK_BYTES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks
-from brisk.model.hparams import GEMMA3_LOCAL_ROPE_THETA, HParams, gemma3_layer_windows, gguf_architecture
+from brisk.model.hparams import HParams, default_layer_windows, gguf_architecture
 from brisk.model.gguf_tokenizer import gguf_tokenizer
 from brisk.model.tokenizer import Tokenizer
 
@@ -135,11 +136,13 @@ class GGUFCheckpoint:
         layers = self._field(f"{a}.block_count")
         head_dim = self._field(f"{a}.attention.key_length", hidden // num_heads)
         window = self._field(f"{a}.attention.sliding_window", 0)
-        windows, local_theta, query_scalar = (window,) * layers if window else (), None, None
-        if a == "gemma3":  # the file gives the window and the global base only (llama.cpp's gemma3 defaults)
-            windows = gemma3_layer_windows(layers, window)
-            local_theta = float(self._field(f"{a}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)) if window else None
-            # llama.cpp scales queries by head_dim^-1/2, except in the 27B (62 layers): hidden / heads
+        # the file gives the window and the global base only: the family's pattern and local base
+        family = self.architecture
+        windows = default_layer_windows(family, layers, window)
+        local_theta = float(self._field(f"{a}.rope.freq_base_swa", family.local_rope_theta)) \
+            if windows and family.local_rope_theta else None
+        query_scalar = None
+        if a == "gemma3":  # llama.cpp scales its queries by head_dim^-1/2, but in the 27B (62 layers) hidden / heads
             query_scalar = hidden // num_heads if layers == 62 else head_dim
         return HParams(
             architecture=self.architecture.family,
@@ -173,9 +176,9 @@ class GGUFCheckpoint:
 
     def weights(self, dtype: torch.dtype, device: torch.device,
                 keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """HF-named weights, dequantized to `dtype`; with keep_blocks, matrices stored in Q8_0,
-        Q4_0 or Q4_1 come as QuantizedTensors of the file's own values instead (nothing rounded;
-        see from_gguf_blocks)."""
+        """HF-named weights, dequantized to `dtype`; with keep_blocks, matrices stored in a kind of
+        GGUF_BLOCK_BYTES (Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, Q4_K, Q5_K, Q6_K) come as QuantizedTensors of the
+        file's own values instead (nothing rounded; see from_gguf_blocks)."""
         spec = self.hparams()
         renames = dict(self.architecture.gguf_layer_names)
         for name, tensor in self.tensors.items():

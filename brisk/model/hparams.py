@@ -36,11 +36,18 @@ class Architecture:
     gguf_layer_names: tuple[tuple[str, str], ...] = ()  # (GGUF name, HF name)
     hf_defaults: tuple[tuple[str, Any], ...] = ()  # what transformers assumes where a config.json is silent
     default_rope_theta: float = 10000.0  # likewise for the RoPE base, which may also sit in rope_parameters
+    hf_model_type: str | None = None  # config.json's model_type, where it is not the family's name
+    # Which layers a file's `sliding_window` applies to where it does not list them (layer_types):
+    # None, none (the family has no windowed layers); 0, every layer (Mistral); N, all but every
+    # Nth (Gemma 3: 6, as transformers' Gemma3TextConfig and llama.cpp's swa pattern).
+    global_every: int | None = None
+    local_rope_theta: float | None = None  # the windowed layers' own RoPE base where a file is silent
 
 
 ARCHITECTURES = (
     Architecture("llama", ("LlamaForCausalLM",), gguf_name="llama", gguf_interleaved_rope=True),
-    Architecture("mistral", ("MistralForCausalLM",), gguf_name=None),  # llama.cpp converts Mistral to "llama"
+    Architecture("mistral", ("MistralForCausalLM",), gguf_name=None,  # llama.cpp converts Mistral to "llama"
+                 global_every=0),
     Architecture("qwen2", ("Qwen2ForCausalLM",), gguf_name="qwen2", attention_bias=True),
     Architecture("qwen3", ("Qwen3ForCausalLM",), gguf_name="qwen3", qk_norm=True),
     Architecture("gemma3", ("Gemma3ForCausalLM",), gguf_name="gemma3", qk_norm=True, hidden_act="gelu_tanh",
@@ -51,12 +58,10 @@ ARCHITECTURES = (
                  gguf_layer_names=(("ffn_norm", "pre_feedforward_layernorm"),
                                    ("post_attention_norm", "post_attention_layernorm"),
                                    ("post_ffw_norm", "post_feedforward_layernorm")),
-                 hf_defaults=(("sliding_window", 4096), ("query_pre_attn_scalar", 256)), default_rope_theta=1_000_000.0),
+                 hf_defaults=(("sliding_window", 4096), ("query_pre_attn_scalar", 256)), default_rope_theta=1_000_000.0,
+                 hf_model_type="gemma3_text", global_every=6, local_rope_theta=10000.0),
 )
-# Gemma 3's attention pattern where a file does not spell it out: five sliding-window layers,
-# then a global one (transformers' Gemma3TextConfig, llama.cpp's swa pattern 6).
-GEMMA3_GLOBAL_EVERY = 6
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
 _BY_HF_CLASS = {cls: a for a in ARCHITECTURES for cls in a.hf_classes}
 _BY_GGUF_NAME = {a.gguf_name: a for a in ARCHITECTURES if a.gguf_name}
 
@@ -138,8 +143,7 @@ class HParams:
             rope_scaling = None
         windows = _hf_layer_windows(config, arch)
         local_theta = (local_rope or {}).get("rope_theta", config.get("rope_local_base_freq"))
-        if arch.family == "gemma3" and local_theta is None:
-            local_theta = GEMMA3_LOCAL_ROPE_THETA
+        local_theta = arch.local_rope_theta if local_theta is None else local_theta
         return cls(
             architecture=arch.family,
             vocab_size=config["vocab_size"],
@@ -168,7 +172,7 @@ class HParams:
         output needs one whatever the source was, GGUF included)."""
         config = {
             "architectures": [self.family.hf_classes[0]],
-            "model_type": "gemma3_text" if self.architecture == "gemma3" else self.architecture,
+            "model_type": self.family.hf_model_type or self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -196,9 +200,12 @@ class HParams:
         return config
 
 
-def gemma3_layer_windows(num_layers: int, window: int) -> tuple[int, ...]:
-    """Gemma 3's default pattern (GEMMA3_GLOBAL_EVERY); no windows at all where window is 0."""
-    return tuple(0 if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(num_layers)) if window else ()
+def default_layer_windows(arch: Architecture, num_layers: int, window: int) -> tuple[int, ...]:
+    """Each layer's window where a file gives only the window (Architecture.global_every)."""
+    if not window or arch.global_every is None:
+        return ()
+    every = arch.global_every
+    return tuple(0 if every and (i + 1) % every == 0 else window for i in range(num_layers))
 
 
 def _hf_layer_windows(config: dict[str, Any], arch: Architecture) -> tuple[int, ...]:
@@ -208,17 +215,15 @@ def _hf_layer_windows(config: dict[str, Any], arch: Architecture) -> tuple[int, 
     window, layers = config.get("sliding_window"), config["num_hidden_layers"]
     if config.get("use_sliding_window"):
         raise ValueError("use_sliding_window (Qwen2's windowed layers) is not supported")
-    if not window or (arch.family not in ("gemma3", "mistral") and "layer_types" not in config):
-        return ()
     types = config.get("layer_types")
+    if not window or (arch.global_every is None and types is None):
+        return ()
     if types is not None:
         if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
             raise ValueError(f"layer_types: expected {layers} of full_attention/sliding_attention, got {types}")
         windows = tuple(window if t == "sliding_attention" else 0 for t in types)
         return windows if any(windows) else ()
-    if arch.family == "gemma3":
-        return gemma3_layer_windows(layers, window)
-    return (window,) * layers
+    return default_layer_windows(arch, layers, window)
 
 
 def _freeze(rope_scaling: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.config import SELF_DRAFTS, ConfigError, EngineConfig
-from brisk.engine.kv_cache import KVCacheManager
+from brisk.engine.kv_cache import KVCacheManager, KVLayout
 from brisk.engine.request import Request
 from brisk.engine.runner import ModelRunner
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -55,9 +55,9 @@ class DraftModelDrafter:
         name = config.speculative_config.model
         quantization = SELF_DRAFTS.get(name)
         device = config.torch_device
-        dtype = resolve_precision(config, target, device).dtype  # the target's, which a self-draft shares
+        precision = resolve_precision(config, target, device)  # the target's, which a draft shares
         if quantization is not None:
-            target_mode = resolve_weight_mode(config, target, device, dtype)
+            target_mode = resolve_weight_mode(config, target, device, precision.dtype)
             if target_mode.quantization is not None:
                 raise ConfigError(f"speculative_config.model {name!r} drafts for a float target; this one already runs "
                                   f"{target_mode.name} weights (quantization {config.quantization}), so its own "
@@ -66,12 +66,15 @@ class DraftModelDrafter:
         if checkpoint.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab():
             raise ConfigError(f"speculative_config.model {name!r} has another tokenizer than the model: "
                               f"a draft model must share it")
-        model = load_model(checkpoint, dtype, device, max_model_len, quantization)
+        model = load_model(checkpoint, precision.dtype, device, max_model_len, quantization)
         if model.hparams.vocab_size != target.hparams.vocab_size:
             raise ConfigError(f"speculative_config.model {name!r} has {model.hparams.vocab_size} logits, the model "
                               f"{target.hparams.vocab_size}")
-        kv = KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=False)
-        return cls(ModelRunner(model, kv, config.kv_cache_kind_for(model.norm.weight.dtype), config.torch_device), kv)
+        # num_kv_blocks: blocks of every layer; the draft's own window layers keep K/V in groups too
+        layout = KVLayout.of(model.hparams.layer_windows, model.hparams.num_layers)
+        kv = KVCacheManager(num_kv_blocks * model.hparams.num_layers // layout.positions, config.block_size,
+                            enable_prefix_caching=False, layout=layout)
+        return cls(ModelRunner(model, kv, precision.kv_cache, config.torch_device), kv)
 
     def propose(self, requests: list[Request], num_tokens: list[int], hidden: dict[str, torch.Tensor]) -> list[Draft]:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}

@@ -84,7 +84,9 @@ class Speculator:
             return cls(spec, NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
         if spec.method == "medusa":
             return cls(spec, MedusaDrafter.load(spec, engine.checkpoint.path, engine.runner))
-        return cls(spec, DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, engine.kv.num_blocks))
+        # the pool in blocks of every layer: the target's, whatever groups its layers keep K/V in
+        full_blocks = engine.kv.num_blocks * engine.kv_layout.positions // engine.hparams.num_layers
+        return cls(spec, DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, full_blocks))
 
     # ----- StepHook ---------------------------------------------------------------------------
     def release(self, running: list[Request]) -> None:

@@ -1,6 +1,7 @@
 """The fake llama.cpp programs the bench tests run where the real ones are not built: a
 llama-server that streams `n` tokens per request (never EOS: it honours ignore_eos) and counts
-them, and a llama-bench that prints one run's figures. Each writes the arguments it got beside
+them, a llama-bench that prints one run's figures, and a llama-batched-bench that prints one
+batch's. Each writes the arguments it got beside
 itself, for the tests to check."""
 
 from __future__ import annotations
@@ -70,9 +71,20 @@ print(json.dumps([{"avg_ts": 123.4, "stddev_ts": 1.5}]))
 '''
 
 
+FAKE_BATCHED_BENCH = r'''
+import json, sys
+from pathlib import Path
+
+(Path(__file__).parent / "batched-args.json").write_text(json.dumps(sys.argv[1:]))
+print("a log line")
+print(json.dumps({"pp": 16, "tg": 8, "pl": 4, "t": 2.0, "speed": 48.0, "speed_pp": 64.0, "speed_tg": 32.0}))
+'''
+
+
 @pytest.fixture
 def fake_llama_cpp(tmp_path) -> Path:
-    for name, source in (("llama-server", FAKE_SERVER), ("llama-bench", FAKE_BENCH)):
+    for name, source in (("llama-server", FAKE_SERVER), ("llama-bench", FAKE_BENCH),
+                         ("llama-batched-bench", FAKE_BATCHED_BENCH)):
         program = tmp_path / name
         program.write_text(f"#!{sys.executable}\n{source}")
         program.chmod(0o755)

@@ -57,3 +57,20 @@ def test_the_llama_cpp_row_is_llama_bench_once_a_round(fake_llama_cpp, capsys):
     assert "| 123.4 (" in row
     bench = json.loads((fake_llama_cpp / "bench-args.json").read_text())
     assert bench[bench.index("--n-gen") + 1] == "4" and bench[bench.index("--repetitions") + 1] == "1"
+
+
+@pytest.mark.real_model
+def test_the_llama_cpp_offline_row_is_llama_batched_bench_on_the_same_shape(fake_llama_cpp, capsys):
+    """Prompts of one length: llama-batched-bench runs as many sequences of as many prompt and
+    output tokens (a fake here: 4 x (16 + 8) in 2 s), counted as the brisk rows are: output
+    tokens over the whole run, 4 x 8 / 2 = 16 tok/s."""
+    code = main(["bench", "quant", "--configs", "gguf", "--num-prompts", "4", "--min-prompt-len", "16",
+                 "--max-prompt-len", "16", "--output-len", "8", "--decode-len", "4", "--repeats", "1",
+                 "--perplexity-tokens", "0", "--llama-cpp-bin", str(fake_llama_cpp)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "llama-batched-bench, 4 x (16 + 8) tokens: 48.0 tok/s in all" in out
+    row = next(line for line in out.splitlines() if line.startswith("| llama.cpp (same GGUF)"))
+    assert row.split("|")[5].strip().startswith("16.0")
+    run = json.loads((fake_llama_cpp / "batched-args.json").read_text())
+    assert [run[run.index(flag) + 1] for flag in ("-npp", "-ntg", "-npl")] == ["16", "8", "4"]

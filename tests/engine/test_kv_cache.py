@@ -319,7 +319,7 @@ def test_a_window_group_lets_go_of_the_blocks_its_window_has_passed():
     _compute(kv, a, 1)
     assert kv.allocate(a, 3)  # positions 11-13: 11 sees 6..11, so block 1 stays
     full, window = kv.block_ids("a", 0), kv.block_ids("a", 1)
-    assert full[:3] == [0, 1, 2] and window[:3] == [0, 4, 5] and len({full[3], window[3], 0, 1, 2, 4, 5}) == 7
+    assert full == [0, 1, 2, 6] and window == [0, 4, 5, 7]  # the free queue's head: blocks never cached
     _compute(kv, a, 3)
     assert kv.allocate(a, 1)  # position 14 sees 9..14: block 1 goes
     assert kv.block_ids("a", 1)[:3] == [0, 0, 5] and kv.blocks[4].ref_count == 0
@@ -334,14 +334,36 @@ def test_a_window_groups_hit_needs_only_the_keys_the_next_token_sees():
     a = _request("a", list(range(17)))
     assert kv.allocate(a, 17)  # one chunk: every block of both groups held, then registered
     _compute(kv, a, 17)
+    a_full, a_window = kv.block_ids("a", 0), kv.block_ids("a", 1)
     kv.free(a)
     b = _request("b", list(range(16)) + [99])  # 16 tokens of a's: 4 full blocks
     hit = kv.find_cached_prefix(b)
-    assert hit.num_tokens == 16
-    assert _ids(hit, 0) == kv.block_ids("a", 0) or len(_ids(hit, 0)) == 4
-    assert _ids(hit, 1)[:2] == [None, None] and None not in _ids(hit, 1)[2:]  # keys 11..15: blocks 2, 3
+    assert hit.num_tokens == 16 and len(hit.hashes) == 4
+    assert _ids(hit, 0) == a_full[:4]  # every block of the full-attention group
+    assert _ids(hit, 1) == [None, None] + a_window[2:4]  # keys 10..15 the next token sees: blocks 2, 3
     assert kv.allocate(b, 1, hit) and kv.block_ids("b", 1)[:2] == [0, 0]
     kv.free(b)
-    window_block_3 = kv._cached[(1, kv._chain(b, 4)[3])]
+    window_block_3 = kv._cached[(1, hit.hashes[3])]
     kv._uncache(window_block_3)  # as if evicted: the window group now lacks keys 12..15
     assert kv.find_cached_prefix(b).num_tokens == 12  # the longest hit whose keys 7..11 are there
+
+
+def test_freeing_returns_every_groups_tail_before_any_groups_head():
+    """The next hit needs a full-attention group's head and a window group's tail: freed, the
+    blocks queue tail first across the groups, so the heads are evicted last."""
+    kv = KVCacheManager(num_blocks=8, block_size=2, layout=KVLayout(((0,), (1,)), (0, 100)))
+    a = _request("a", [1, 2, 3, 4, 5, 6])
+    assert kv.allocate(a, 6)
+    _compute(kv, a, 6)
+    full, window = kv.block_ids("a", 0), kv.block_ids("a", 1)
+    kv.free(a)
+    assert _free_queue(kv)[-6:] == [full[2], window[2], full[1], window[1], full[0], window[0]]
+
+
+def test_the_pool_check_bounds_a_chunk_wherever_it_starts():
+    """Blocks of 16, window 512, chunks of 256: a window group holds a chunk's blocks and the
+    window's before them, one more where they straddle a block edge; the full group all of them."""
+    layout = KVLayout.of((512, 0), 2)
+    assert layout.max_blocks(32768, 256, 16) == 2048 + 49
+    worst = max(layout.blocks_held(start, 16, 256) for start in range(32768 - 256 - 64, 32768 - 256))
+    assert worst <= layout.max_blocks(32768, 256, 16)

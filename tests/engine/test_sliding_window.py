@@ -22,6 +22,13 @@ def gemma_dir(tmp_path_factory) -> str:
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("gemma3")), "gemma3")
 
 
+@pytest.fixture(scope="module", params=["gemma3", "mistral"])
+def windowed_dir(request, tmp_path_factory) -> str:
+    """Gemma 3's groups of window and full-attention layers, and Mistral's window on every layer
+    (no full-attention group: a hit needs only the window's blocks)."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)
+
+
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     rng = random.Random(7)
@@ -29,8 +36,8 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(gemma_dir, prompts) -> list[list[int]]:
-    hf = load_hf_reference(gemma_dir)
+def expected(windowed_dir, prompts) -> list[list[int]]:
+    hf = load_hf_reference(windowed_dir)
     return [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
@@ -48,25 +55,27 @@ def test_windows_keep_their_kv_in_groups_of_their_own(gemma_dir):
 
 
 @pytest.mark.parametrize("chunk, blocks", [(8, 13), (256, 26)], ids=["chunks-of-8", "whole-prompts"])
-def test_greedy_output_matches_transformers_in_chunks_and_under_preemption(gemma_dir, prompts, expected,
-                                                                                  chunk, blocks):
-    """In chunks of 8, a pool of 39 one-layer blocks holds the 61+24-token sequence (22 blocks
-    of the full-attention group at most, 3-5 of each window group), not all four sequences at
-    once: some are preempted and computed again; the window's edge falls inside chunks and
-    between them. Whole prompts hold every block of their window groups while they compute."""
-    llm = LLM(gemma_dir, dtype="float32", block_size=4, max_model_len=96, num_kv_blocks=blocks,
+def test_greedy_output_matches_transformers_in_chunks_and_under_preemption(windowed_dir, prompts, expected,
+                                                                           chunk, blocks):
+    """In chunks of 8, Gemma's pool of 39 one-layer blocks holds the 61+24-token sequence (22
+    blocks of the full-attention group at most, 3-5 of each window group), not all four
+    sequences at once: some are preempted and computed again; the window's edge falls inside
+    chunks and between them. Whole prompts hold every block of their window groups while they
+    compute."""
+    llm = LLM(windowed_dir, dtype="float32", block_size=4, max_model_len=96, num_kv_blocks=blocks,
               max_num_batched_tokens=chunk, enable_chunked_prefill=chunk < 96)
-    assert llm.engine.kv.num_blocks == 3 * blocks
+    assert llm.engine.kv.num_blocks == llm.engine.hparams.num_layers // llm.engine.kv_layout.positions * blocks
     assert _generate(llm, prompts) == expected
-    assert llm.engine.scheduler.stats.num_preemptions > 0 or chunk == 256
+    if chunk == 8 and 0 in llm.engine.kv_layout.windows:  # a full-attention group's 22 blocks make room short
+        assert llm.engine.scheduler.stats.num_preemptions > 0
     assert_no_leaks(llm.engine)
 
 
 @pytest.mark.parametrize("chunk", [8, 256], ids=["chunks-of-8", "whole-prompts"])
-def test_a_prefix_hit_gives_the_same_output(gemma_dir, prompts, expected, chunk):
-    """The longest prompt, then again: its 15 full blocks come from the cache (each window group
+def test_a_prefix_hit_gives_the_same_output(windowed_dir, prompts, expected, chunk):
+    """The longest prompt, then again: its 15 full blocks come from the cache (a window group
     needs only blocks 13 and 14 for the keys 54..59 the next token sees)."""
-    llm = LLM(gemma_dir, dtype="float32", block_size=4, max_model_len=96, num_kv_blocks=64,
+    llm = LLM(windowed_dir, dtype="float32", block_size=4, max_model_len=96, num_kv_blocks=64,
               max_num_batched_tokens=chunk, enable_chunked_prefill=chunk < 96)
     assert _generate(llm, prompts[-1:]) == expected[-1:]
     assert llm.engine.kv.stats.hits == 0
