@@ -22,7 +22,7 @@ from brisk.config import DEFAULT_TEXT
 from brisk.kernels import cpu as cpu_kernels
 from brisk.model.loader import DEFAULT_MODEL_FILE
 from brisk.transport.client import ModelInfo
-from tests.helpers import brisk_logit_chunks, require
+from tests.helpers import brisk_logit_chunks, gemma_path, require
 
 pytestmark = pytest.mark.real_model
 
@@ -64,20 +64,24 @@ print(json.dumps({"mode": mode.name, "weights": weight_footprint(model)[1], "gai
 """
 
 
-def test_the_default_holds_about_the_files_size_in_memory(real_model_path):
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_the_default_holds_about_the_files_size_in_memory(real_model_path, model):
     """In a process of its own (this one has loaded other models, and torch's one-time costs):
     the weights as stored, and no more resident memory than they take (they live in anonymous
-    memory: kernels/memory.py's huge-page mapping). Measured on an AMD EPYC Zen 4: 96.5 MB of
-    weights, 96.3-96.7 MB gained, for a 98.4 MB file."""
+    memory: kernels/memory.py's huge-page mapping). Measured on an AMD EPYC Zen 4: SmolLM2, 96.5
+    MB of weights, 96.3-96.7 MB gained, for a 98.4 MB file; Gemma 3 270M (Q8_0, Q5_0, Q4_K and
+    Q6_K blocks, q/k/v of two kinds), 251 MB of weights, 214 MB gained, for a 253 MB file."""
     require(os.path.exists("/proc/self/status"), "/proc/self/status (Linux)")
-    run = subprocess.run([sys.executable, "-c", _MEASURE, real_model_path], capture_output=True, text=True,
-                         timeout=300)
+    path = real_model_path if model == "smollm2" else gemma_path()
+    run = subprocess.run([sys.executable, "-c", _MEASURE, path], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout)
-    size = os.path.getsize(real_model_path)
+    size = os.path.getsize(path)
     assert measured["mode"] == "gguf+a8"
     assert abs(measured["weights"] - size) <= 0.15 * size, measured  # no float copy of any layer
-    assert abs(measured["gained"] - size) <= 0.15 * size, measured  # nor anything else the size of one
+    # nor anything else the size of one (Gemma's load gains less than its weights: they reuse heap
+    # that building its 262,144-token vocabulary freed)
+    assert measured["gained"] <= 1.15 * size, measured
 
 
 def _perplexity(llm: LLM, token_ids: list[int], chunk: int) -> float:
