@@ -212,8 +212,10 @@ def main(args) -> None:
         served.append(("brisk serve, the GGUF's own blocks (--quantization gguf)",
                        replace(config, quantization="gguf")))
     elif checkpoint.format == "gguf":  # the same file dequantized, as brisk's default ran it before auto
-        served.append((f"brisk serve --quantization none (dequantized to {str(dtype).removeprefix('torch.')})",
-                       replace(config, quantization="none")))
+        dequantized = replace(config, quantization="none")
+        floats = resolve_precision(dequantized, checkpoint, config.torch_device).dtype  # not the blocks' float32
+        served.append((f"brisk serve --quantization none (dequantized to {str(floats).removeprefix('torch.')})",
+                       dequantized))
     for how, engine in served:
         server = ServerConfig(port=free_port(), log_level="warning")
         flags = [*config_flags(engine), *config_flags(server), "--embedding-model", "none"]
