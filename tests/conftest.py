@@ -30,6 +30,8 @@ TINY_ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=7)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
+    # q/k/v and gate/up fused in the checkpoint itself; a window on every layer
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=9, pad_token_id=0)),
     # Windows shorter than the tests' prompts (7: mid-block for their 4-token blocks), local and
     # global layers with their own RoPE bases, a query scale that is not head_dim's, one KV head.
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(

@@ -125,6 +125,8 @@ class GGUFCheckpoint:
         self.tensors = self.file.tensors
         if "rope_freqs.weight" in self.tensors:
             raise ValueError("GGUF files with a rope_freqs tensor (Llama 3.1 long-context scaling) are not supported yet")
+        if "rope_factors_long.weight" in self.tensors:
+            raise ValueError("GGUF files with rope_factors tensors (Phi-3's 128k longrope scaling) are not supported yet")
 
     def _field(self, key: str, default=None):
         return self.file.fields.get(key, default)

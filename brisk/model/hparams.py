@@ -42,6 +42,8 @@ class Architecture:
     # Nth (Gemma 3: 6, as transformers' Gemma3TextConfig and llama.cpp's swa pattern).
     global_every: int | None = None
     local_rope_theta: float | None = None  # the windowed layers' own RoPE base where a file is silent
+    # The checkpoint stores q/k/v and gate/up fused, as brisk runs them (Phi-3): written out so too.
+    hf_fused_projections: bool = False
 
 
 ARCHITECTURES = (
@@ -50,6 +52,9 @@ ARCHITECTURES = (
                  global_every=0),
     Architecture("qwen2", ("Qwen2ForCausalLM",), gguf_name="qwen2", attention_bias=True),
     Architecture("qwen3", ("Qwen3ForCausalLM",), gguf_name="qwen3", qk_norm=True),
+    # Phi-3 mini: fused qkv and gate_up in the checkpoint, a window on every layer (2047 in the 4k model)
+    Architecture("phi3", ("Phi3ForCausalLM",), gguf_name="phi3", global_every=0, hf_fused_projections=True,
+                 gguf_layer_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
     Architecture("gemma3", ("Gemma3ForCausalLM",), gguf_name="gemma3", qk_norm=True, hidden_act="gelu_tanh",
                  sandwich_norms=True, scaled_embeddings=True, hf_norm_offset=1.0,
                  hf_module_names=(("post_attention_layernorm", "attention_output_norm"),
@@ -136,6 +141,10 @@ class HParams:
         local_rope = None
         if isinstance(rope_scaling, dict) and "full_attention" in rope_scaling:  # per layer type (transformers 5)
             local_rope, rope_scaling = rope_scaling.get("sliding_attention"), rope_scaling["full_attention"]
+        partial = config.get("partial_rotary_factor", (rope_scaling or {}).get("partial_rotary_factor", 1.0)
+                              if isinstance(rope_scaling, dict) else 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported: brisk rotates every dimension of a head")
         rope_theta = config.get("rope_theta")
         if rope_theta is None and isinstance(rope_scaling, dict):
             rope_theta = rope_scaling.get("rope_theta")
@@ -187,6 +196,7 @@ class HParams:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "_name_or_path": self.name,
+            "pad_token_id": None,  # a family's default (Phi-3's 32000) may lie past a small vocabulary
         }
         if self.layer_windows:
             config["sliding_window"] = self.sliding_window

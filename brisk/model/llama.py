@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
             name = ".".join(renames.get(part, part) for part in name.split("."))
             hf_name = name if name.startswith("lm_head.") else f"model.{name}"
             fused = next((part for part in name.split(".") if part in _SHARDS_OF), None)
-            if fused is None:
+            if fused is None or self.hparams.family.hf_fused_projections:
                 yield hf_name, tensor - self.hparams.family.hf_norm_offset if is_norm(hf_name) else tensor
                 continue
             for shard, part in enumerate(_SHARDS_OF[fused]):

@@ -133,7 +133,7 @@ def test_family_flags_are_those_of_the_models():
     flags = {a.family: (a.attention_bias, a.qk_norm, a.gguf_name) for a in ARCHITECTURES}
     assert flags == {"llama": (False, False, "llama"), "mistral": (False, False, None),
                      "qwen2": (True, False, "qwen2"), "qwen3": (False, True, "qwen3"),
-                     "gemma3": (False, True, "gemma3")}
+                     "gemma3": (False, True, "gemma3"), "phi3": (False, False, "phi3")}
 
 
 def test_an_hf_config_may_override_the_family_bias():
@@ -176,7 +176,7 @@ def test_weights_get_hf_names_and_llama_rotary_rows_restored(tmp_path, arch, per
 def test_unsupported_architecture_is_named(tmp_path):
     path = _write(tmp_path / "falcon.gguf", "falcon")
     with pytest.raises(ValueError, match=r"GGUF architecture 'falcon' is not supported \(supported: "
-                                         r"\['gemma3', 'llama', 'qwen2', 'qwen3'\]\)"):
+                                         r"\['gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]\)"):
         GGUFCheckpoint(path)
 
 
@@ -213,3 +213,22 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="is not a GGUF file"):
         GGUFFile(str(path))
+
+
+def test_phi3_files_keep_their_fused_projections_and_longrope_is_refused(tmp_path):
+    """Phi-3's GGUF stores q/k/v as one attn_qkv and gate/up as one ffn_up, as brisk runs them;
+    its 128k variants' rope_factors (longrope) are refused by name, as is a partial rotary."""
+    qkv, gate_up = _random(128, 64, seed=7), _random(192, 64, seed=8)
+    path = _write(tmp_path / "phi3.gguf", "phi3", _model_fields("phi3"), tensors={
+        "blk.0.attn_qkv.weight": (qkv, Q.F32), "blk.0.ffn_up.weight": (gate_up, Q.F32)})
+    weights = dict(GGUFCheckpoint(path).weights(torch.float32, torch.device("cpu")))
+    assert torch.equal(weights["model.layers.0.self_attn.qkv_proj.weight"], torch.from_numpy(qkv))
+    assert torch.equal(weights["model.layers.0.mlp.gate_up_proj.weight"], torch.from_numpy(gate_up))
+    long = _write(tmp_path / "long.gguf", "phi3", _model_fields("phi3"), tensors={
+        "rope_factors_long.weight": (_random(8, seed=9), Q.F32)})
+    with pytest.raises(ValueError, match="rope_factors tensors"):
+        GGUFCheckpoint(long)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        HParams.from_hf_config({"architectures": ["Phi3ForCausalLM"], "vocab_size": 96, "hidden_size": 64,
+                                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "partial_rotary_factor": 0.75})

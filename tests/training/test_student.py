@@ -70,9 +70,9 @@ def _with_dead_width(folder: str, out: str, dead_channels: torch.Tensor, dead_ne
 
 def test_a_narrower_student_keeps_the_live_channels_and_neurons(tiny_model_dir, tmp_path):
     spec = open_checkpoint(tiny_model_dir).hparams
-    if spec.family.scaled_embeddings:  # Gemma: sqrt(hidden) scales the tied embeddings
+    if spec.family.scaled_embeddings or spec.family.hf_fused_projections:  # Gemma's scaled embeddings, Phi-3's fusions
         model = load_model(open_checkpoint(tiny_model_dir), torch.float32, torch.device("cpu"), max_len=16)
-        with pytest.raises(ValueError, match="narrower gemma3 student is not supported"):
+        with pytest.raises(ValueError, match=f"narrower {spec.architecture} student is not supported"):
             measure_width(model, [PROMPT], spec.hidden_size // 2, spec.intermediate_size // 2)
         return
     g = torch.Generator().manual_seed(0)

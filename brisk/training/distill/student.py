@@ -119,6 +119,9 @@ def measure_width(model: LlamaForCausalLM, sequences: list[list[int]], hidden: i
         raise ValueError(f"a narrower {spec.architecture} student is not supported: its embeddings are scaled by "
                          "sqrt(hidden size) and tied to the LM head, so fewer channels change every logit's scale; "
                          "keep its width and drop layers only")
+    if spec.family.hf_fused_projections:
+        raise ValueError(f"a narrower {spec.architecture} student is not supported: its checkpoints keep q/k/v and "
+                         "gate/up fused, which the narrowing does not slice; keep its width and drop layers only")
     energy: dict[str, torch.Tensor] = {}
     importance = torch.zeros(spec.hidden_size, dtype=torch.float64)
     activations = [torch.zeros(spec.intermediate_size, dtype=torch.float64) for _ in model.layers]
