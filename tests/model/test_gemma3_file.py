@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
+from brisk.model.loader import open_checkpoint
 from tests.conftest import assert_no_leaks, hf_greedy
 from tests.helpers import brisk_logit_chunks, gemma_path
 
@@ -33,13 +34,13 @@ def gemma_hf():
 
 
 @pytest.fixture(scope="module")
-def texts(gemma_hf) -> list[list[int]]:
-    """Two stretches of the novel, as token ids (brisk's tokenizer: tests/model/test_gguf_tokenizer.py
-    holds it to transformers')."""
-    llm_tokenizer = LLM(gemma_path(), max_model_len=64, kv_cache_memory_gib=0.01).tokenizer
+def texts() -> list[list[int]]:
+    """Two stretches of the novel, as token ids (brisk's tokenizer, read from the file without its
+    weights: tests/model/test_gguf_tokenizer.py holds it to transformers')."""
+    tokenizer = open_checkpoint(gemma_path()).tokenizer
     with open(TEXT, encoding="utf-8") as f:
         text = f.read()
-    return [llm_tokenizer.encode(text[start:start + 8000])[:SEQUENCE] for start in (20_000, 300_000)]
+    return [tokenizer.encode(text[start:start + 8000])[:SEQUENCE] for start in (20_000, 300_000)]
 
 
 def test_the_dequantized_model_continues_as_transformers_does(gemma_hf):
