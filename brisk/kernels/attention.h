@@ -40,29 +40,99 @@
 #include "dtypes.h"
 #include "status.h"
 
-/* A K or V block (BLOCK_SIZE * HEAD_DIM values of the cache) as floats: the cache itself when it
- * holds floats, else converted once into `scratch` (L1-sized), so every query head of the group
- * reads floats and no element is converted once per head. */
-#define AS_FLOATS(CT, LOAD_C, src, scratch)                                                               \
-    (sizeof(CT) == sizeof(float) ? (const float *)(src) : to_floats_##LOAD_C((src), (scratch)))
-
-#define DEFINE_TO_FLOATS(CT, LOAD_C)                                                                      \
-    static inline const float *to_floats_##LOAD_C(const CT *restrict src, float *restrict dst) {          \
-        _Pragma("omp simd")                                                                               \
-        for (int64_t i = 0; i < BLOCK_SIZE * HEAD_DIM; i++) dst[i] = LOAD_C(src[i]);                      \
-        return dst;                                                                                       \
-    }
-DEFINE_TO_FLOATS(float, load_f32)
-DEFINE_TO_FLOATS(uint16_t, load_bf16)
-DEFINE_TO_FLOATS(uint16_t, load_f16)
-DEFINE_TO_FLOATS(int8_t, load_i8)
-
 /* Asks for a block's cache lines ahead of use. Blocks sit anywhere in the cache, and the hardware
  * prefetchers stop at each 4 KiB page, so without this every block starts with a wait on memory:
- * in a decode step the weights have just pushed the cache's K and V out of every level. */
+ * in a decode step the weights have just pushed the cache's K and V out of every level. The key
+ * pass asks for the K and the V block KV_AHEAD blocks on, so the value pass finds its blocks in
+ * cache as well (a bf16 cache at batch 32, Zen 4, 2 threads: 9.6 GB/s with K alone one block
+ * ahead, 14 GB/s so; 4 and 8 blocks ahead were no faster). */
+#define KV_AHEAD 2
 static inline void prefetch_block(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
+
+/*
+ * A group's query heads are scored and summed in tiles of up to QHEADS heads, each key and value
+ * converted to float once for the whole tile (in registers, never into a scratch copy), and each
+ * tile's sums held in registers: G x BLOCK_SIZE scores (two sets, even and odd dims, so twice as
+ * many FMA chains hide their latency), G x VCHUNK output sums. G is a constant in every copy of
+ * the tile loops (DECODE_TILE picks the copy), which is what lets the compiler keep those arrays
+ * in registers: with the group a loop bound, the value sums lived on the stack, a store and a
+ * reload per key, and the pass ran at the latency of that chain.
+ */
+#define QHEADS 4
+#ifdef __AVX512F__
+#define VCHUNK_MAX 64 /* QHEADS x 64 sums: 16 of the 32 vector registers */
+#else
+#define VCHUNK_MAX 32 /* 16 of AVX2's 16 would spill: QHEADS x 32 is 16 of them, with 4 values */
+#endif
+#define VCHUNK (HEAD_DIM % VCHUNK_MAX == 0 ? VCHUNK_MAX : HEAD_DIM % 16 == 0 ? 16 : HEAD_DIM % 8 == 0 ? 8 : HEAD_DIM)
+
+/* Calls FN(..., G) with G the tile's heads as a constant: 1 .. QHEADS. */
+#define DECODE_TILE(heads, FN, ...)                                                                       \
+    switch ((heads) < QHEADS ? (heads) : QHEADS) {                                                        \
+        case 1: FN(__VA_ARGS__, 1); break;                                                                \
+        case 2: FN(__VA_ARGS__, 2); break;                                                                \
+        case 3: FN(__VA_ARGS__, 3); break;                                                                \
+        default: FN(__VA_ARGS__, QHEADS); break;                                                          \
+    }
+
+/* scores[g][t] = query[g] . key t of the block (times the key's scale), for G query heads; rows of
+ * scores `stride` apart. Keys are stored transposed: dim d of the block's keys is one row. */
+#define DEFINE_DECODE_TILES(SUFFIX, CT, LOAD_C, SCALED)                                                   \
+    static inline __attribute__((always_inline)) void score_tile_##SUFFIX(                                \
+        const float *restrict query, const CT *restrict keys, const float *restrict ks,                  \
+        float *restrict scores, int64_t stride, const CT *ahead_keys, const CT *ahead_values, const int G) { \
+        float sums[2][QHEADS][BLOCK_SIZE] = {{{0}}};                                                      \
+        for (int64_t d = 0; d < HEAD_DIM; d += 2) {                                                       \
+            for (int u = 0; u < 2; u++) { /* a later block's K and V, a row each per row read here */     \
+                __builtin_prefetch(ahead_keys + (d + u) * BLOCK_SIZE);                                    \
+                __builtin_prefetch(ahead_values + (d + u) * BLOCK_SIZE);                                  \
+            }                                                                                             \
+            for (int u = 0; u < 2; u++)                                                                   \
+                for (int g = 0; g < G; g++) { /* a key row's conversion is shared by the unrolled heads */ \
+                    const float qd = query[g * HEAD_DIM + d + u];                                         \
+                    _Pragma("omp simd")                                                                   \
+                    for (int64_t t = 0; t < BLOCK_SIZE; t++)                                              \
+                        sums[u][g][t] += qd * LOAD_C(keys[(d + u) * BLOCK_SIZE + t]);                     \
+                }                                                                                         \
+        }                                                                                                 \
+        for (int g = 0; g < G; g++)                                                                       \
+            for (int64_t t = 0; t < BLOCK_SIZE; t++)                                                      \
+                scores[g * stride + t] = SCALED ? (sums[0][g][t] + sums[1][g][t]) * ks[t]                  \
+                                                : sums[0][g][t] + sums[1][g][t];                          \
+    }                                                                                                     \
+    /* sums[g] (VCHUNK-strided rows `stride` apart) += weights[g][t] * values[t] over the block's first n \
+     * values (each scaled by its own scale), for G query heads; weights rows `wstride` apart */          \
+    static inline __attribute__((always_inline)) void sum_tile_##SUFFIX(                                  \
+        const float *restrict weights, int64_t wstride, const CT *restrict values,                       \
+        const float *restrict vs, int64_t n, float *restrict out, int64_t stride, const int G) {         \
+        float w[QHEADS][BLOCK_SIZE];                                                                      \
+        for (int g = 0; g < G; g++)                                                                       \
+            for (int64_t t = 0; t < BLOCK_SIZE; t++)                                                      \
+                w[g][t] = SCALED ? weights[g * wstride + t] * vs[t] : weights[g * wstride + t];           \
+        for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += VCHUNK) {                                               \
+            float acc[QHEADS][VCHUNK];                                                                    \
+            for (int g = 0; g < G; g++)                                                                   \
+                for (int64_t c = 0; c < VCHUNK; c++) acc[g][c] = out[g * stride + d0 + c];                \
+            for (int64_t t = 0; t < n; t++) {                                                             \
+                float v[VCHUNK];                                                                          \
+                _Pragma("omp simd")                                                                       \
+                for (int64_t c = 0; c < VCHUNK; c++) v[c] = LOAD_C(values[t * HEAD_DIM + d0 + c]);         \
+                for (int g = 0; g < G; g++) {                                                             \
+                    const float wt = w[g][t];                                                             \
+                    _Pragma("omp simd")                                                                   \
+                    for (int64_t c = 0; c < VCHUNK; c++) acc[g][c] += wt * v[c];                          \
+                }                                                                                         \
+            }                                                                                             \
+            for (int g = 0; g < G; g++)                                                                   \
+                for (int64_t c = 0; c < VCHUNK; c++) out[g * stride + d0 + c] = acc[g][c];                \
+        }                                                                                                 \
+    }
+DEFINE_DECODE_TILES(f32, float, load_f32, 0)
+DEFINE_DECODE_TILES(bf16, uint16_t, load_bf16, 0)
+DEFINE_DECODE_TILES(f16, uint16_t, load_f16, 0)
+DEFINE_DECODE_TILES(i8, int8_t, load_i8, 1)
 
 /* A task is one (sequence, kv head) pair's keys, or a part of them: with fewer pairs than a few
  * per thread (one sequence has as many pairs as kv heads: 3 for SmolLM2, on 2 threads), each
@@ -102,8 +172,8 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
            + threads * decode_attention_scores(num_heads, num_kv_heads, max_blocks, parts);
 }
 
-#define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
-    static inline void decode_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,        \
+#define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CS, CT, SCALED)                              \
+    static __attribute__((noinline, noclone)) void decode_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache, \
                                                  const CT *restrict v_cache,                              \
                                                  const float *restrict k_scales,                          \
                                                  const float *restrict v_scales,                          \
@@ -135,32 +205,22 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                     float *results = partials + ((s * num_kv_heads + h) * parts + part) * group * slot;   \
                     float *scores = scores_of_thread + omp_get_thread_num() * scores_stride;              \
                     float *restrict query = scores + group * padded;                                      \
-                    float block[BLOCK_SIZE * HEAD_DIM]; /* a K or V block as floats, when CT is not float */ \
                     for (int64_t g = 0; g < group; g++)                                                   \
                         for (int64_t d = 0; d < HEAD_DIM; d++)                                            \
                             query[g * HEAD_DIM + d] = LOAD_X(q[(s * num_heads + h * group + g) * HEAD_DIM + d]) * scale; \
                     for (int64_t b = first; b < last; b++) {                                              \
-                        if (b + 1 < last)                                                                 \
-                            prefetch_block(k_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
-                        const float *keys = AS_FLOATS(CT, LOAD_C, k_cache + (table[b] * num_kv_heads + h) * block_elems, \
-                                                      block);                                             \
-                        const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
-                        for (int64_t g = 0; g < group; g++) {                                             \
-                            /* four partial sums over d: enough FMA chains in flight to hide their latency */ \
-                            float sums[4][BLOCK_SIZE] = {{0}};                                            \
-                            const float *qg = query + g * HEAD_DIM;                                       \
-                            for (int64_t d = 0; d < HEAD_DIM; d += 4)                                     \
-                                for (int u = 0; u < 4; u++) {                                             \
-                                    _Pragma("omp simd")                                                   \
-                                    for (int64_t t = 0; t < BLOCK_SIZE; t++)                              \
-                                        sums[u][t] += qg[d + u] * keys[(d + u) * BLOCK_SIZE + t];         \
-                                }                                                                         \
-                            float *row = scores + g * padded + (b - first) * BLOCK_SIZE;                  \
-                            for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                    \
-                                const float sum = (sums[0][t] + sums[1][t]) + (sums[2][t] + sums[3][t]);  \
-                                row[t] = SCALED ? sum * ks[t] : sum;                                      \
+                        if (b == first) /* the first blocks: at once; the rest, as the keys are read */ \
+                            for (int64_t a = b; a < b + KV_AHEAD && a < last; a++) {                     \
+                                prefetch_block(k_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
+                                prefetch_block(v_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
                             }                                                                             \
-                        }                                                                                 \
+                        const int64_t ahead = (b + KV_AHEAD < last ? table[b + KV_AHEAD] : table[b]) * num_kv_heads + h; \
+                        const CT *keys = k_cache + (table[b] * num_kv_heads + h) * block_elems;           \
+                        const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
+                        for (int64_t g = 0; g < group; g += QHEADS)                                       \
+                            DECODE_TILE(group - g, score_tile_##CS, query + g * HEAD_DIM, keys, ks,        \
+                                        scores + g * padded + (b - first) * BLOCK_SIZE, padded,           \
+                                        k_cache + ahead * block_elems, v_cache + ahead * block_elems)     \
                     }                                                                                     \
                     const uint64_t ancestors = ancestor_masks ? (uint64_t)ancestor_masks[s] : ~(uint64_t)0; \
                     for (int64_t g = 0; g < group; g++) {                                                 \
@@ -183,23 +243,12 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                         for (int64_t d = 0; d < HEAD_DIM; d++) results[g * slot + 2 + d] = 0.0f;         \
                     }                                                                                     \
                     for (int64_t b = first; b < last; b++) { /* each value block read once for the group */ \
-                        if (b + 1 < last)                                                                 \
-                            prefetch_block(v_cache + (table[b + 1] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
-                        const float *values = AS_FLOATS(CT, LOAD_C,                                       \
-                                                        v_cache + (table[b] * num_kv_heads + h) * block_elems, block); \
+                        const CT *values = v_cache + (table[b] * num_kv_heads + h) * block_elems;         \
                         const int64_t n = end - b * BLOCK_SIZE < BLOCK_SIZE ? end - b * BLOCK_SIZE : BLOCK_SIZE; \
                         const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
-                        for (int64_t g = 0; g < group; g++) {                                             \
-                            const float *p = scores + g * padded + (b - first) * BLOCK_SIZE;              \
-                            float *acc = results + g * slot + 2, a[HEAD_DIM];                             \
-                            for (int64_t d = 0; d < HEAD_DIM; d++) a[d] = acc[d];                         \
-                            for (int64_t t = 0; t < n; t++) {                                             \
-                                const float pt = SCALED ? p[t] * vs[t] : p[t];                            \
-                                _Pragma("omp simd")                                                       \
-                                for (int64_t d = 0; d < HEAD_DIM; d++) a[d] += pt * values[t * HEAD_DIM + d]; \
-                            }                                                                             \
-                            for (int64_t d = 0; d < HEAD_DIM; d++) acc[d] = a[d];                         \
-                        }                                                                                 \
+                        for (int64_t g = 0; g < group; g += QHEADS)                                       \
+                            DECODE_TILE(group - g, sum_tile_##CS, scores + g * padded + (b - first) * BLOCK_SIZE, \
+                                        padded, values, vs, n, results + g * slot + 2, slot)              \
                     }                                                                                     \
                 }                                                                                         \
             }                                                                                             \

@@ -123,7 +123,7 @@ static int rounds_activations(const struct decode_model *model) {
     }
 
 #define DEFINE_DECODE_LAYERS(WS, T, LOAD, CS, CT, LOAD_C, STORE_HEAD, SCALED)                             \
-    DEFINE_DECODE_ATTENTION(WS##_##CS, float, load_f32, store_f32, CT, LOAD_C, SCALED)                    \
+    DEFINE_DECODE_ATTENTION(WS##_##CS, float, load_f32, store_f32, CS, CT, SCALED)                        \
     DEFINE_ROPE_WRITE_KV(WS##_##CS, float, load_f32, store_f32, T, LOAD, CT, STORE_HEAD, SCALED)          \
                                                                                                           \
     /* x [num_seqs, hidden]: this step's embeddings in, the final norm's output out. Returns a          \

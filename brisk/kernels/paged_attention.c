@@ -118,7 +118,7 @@
 /* Queries in the model's dtype (XS), the cache in any kind (CS): paged_*_attention_XS_CS. */
 #define DEFINE_ATTENTION_KERNELS(XS, XT, LOAD_X, STORE_X, CS, CT, LOAD_C, STORE_HEAD, SCALED)               \
     DEFINE_PREFILL_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
-    DEFINE_DECODE_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                           \
+    DEFINE_DECODE_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CS, CT, SCALED)                               \
     DEFINE_ROPE_WRITE_KV(XS##_##CS, XT, LOAD_X, STORE_X, XT, LOAD_X, CT, STORE_HEAD, SCALED)               \
     int paged_decode_attention_##XS##_##CS(const XT *q, const CT *k_cache, const CT *v_cache,             \
                                            const float *k_scales, const float *v_scales,                  \
