@@ -9,6 +9,7 @@ flag on the command line still overrides the file."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import types
 import typing
@@ -30,8 +31,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[C], t
         help_text = f.metadata["help"].replace("%", "%%")  # argparse formats help strings with %
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not MISSING else None
-        if hasattr(kind, "parse"):  # a nested config as JSON (`--speculative-config '{...}'`), parsed by the config
-            group.add_argument(flag, type=str, default=default, help=help_text)
+        if hasattr(kind, "parse") or typing.get_origin(kind) is dict:  # JSON (`--speculative-config '{...}'`),
+            group.add_argument(flag, type=str, default=default, help=help_text)  # parsed by the config
         elif kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif typing.get_origin(kind) is list:  # `--served-model-name a b`
@@ -111,6 +112,10 @@ def _checked(path: str, key: str, value: Any, hint) -> Any:
     kind = _base_type(hint)
     if hasattr(kind, "parse"):  # a nested config: a mapping in YAML, or its JSON
         return kind.parse(value)
+    if typing.get_origin(kind) is dict:  # a mapping in YAML, checked by the config
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: {key} must be a mapping, got {value!r}")
+        return value
     if typing.get_origin(kind) is list:
         items = value if isinstance(value, list) else [value]
         return [_checked(path, key, item, typing.get_args(kind)[0]) for item in items]
@@ -134,6 +139,8 @@ def config_flags(config: EngineConfig | ServerConfig) -> list[str]:
             flags += [f"--{flag}", *map(str, value)]
         elif hasattr(value, "to_json"):
             flags += [f"--{flag}", value.to_json()]
+        elif isinstance(value, dict):
+            flags += [f"--{flag}", json.dumps(value)]
         elif value is not None:
             flags += [f"--{flag}", str(value)]
     return flags

@@ -9,6 +9,7 @@ options with the same names as `LLM(...)`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -84,6 +85,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from brisk.embed.embedder import load_embedder
     from brisk.server.app import build_app
+    from brisk.server.middleware import read_api_keys
     from brisk.server.process import serve
 
     from brisk.cache.response_cache import open_response_cache
@@ -93,6 +95,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     embedding_config = config_from_args(EmbeddingConfig, args)
     cache_config = config_from_args(ResponseCacheConfig, args)
     engine_config = engine_config_from_args(args)
+    if server_config.api_keys_file and engine_config.tenant_weights is None:  # the keys file's weights
+        engine_config = dataclasses.replace(engine_config,
+                                            tenant_weights=read_api_keys(server_config.api_keys_file).weights)
     cluster_config = config_from_args(ClusterConfig, args)
     if cluster_config.enabled:  # the same app, its engine N replicas on Ray Serve
         from brisk.cluster.app import serve_cluster
@@ -129,6 +134,8 @@ def cmd_batch(args: argparse.Namespace) -> None:
                             config_from_args(EmbeddingConfig, args), args.max_in_flight, progress=True,
                             batching=args.batching, batch_size=args.batch_size)
     print(report.summary(), file=sys.stderr)
+    if not report.complete:  # a line failed or is left to retry: a script must not take the file as done
+        sys.exit(1)
 
 
 def cmd_quantize_embedder(args: argparse.Namespace) -> None:

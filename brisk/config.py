@@ -53,6 +53,7 @@ def knobs(config_cls: type) -> list[dataclasses.Field]:
 # is scored on by default, and the corpus a distilled student learns from.
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "prideandprejudice.txt"
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # engine/waiting.py's
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
 MEDUSA_CONFIG_FILE = "medusa_config.json"  # what marks a folder of Medusa heads (spec/medusa.py)
 # Draft "models" that are the target's own weights in low bits (spec/draft_model.py): name -> quantization
@@ -186,6 +187,15 @@ class EngineConfig:
         1500, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
     enable_chunked_prefill: bool = knob(True, "Split long prompts across steps so decodes keep flowing.")
+    scheduling_policy: str = knob(
+        "auto", "Which waiting request runs next (engine/waiting.py): fcfs (arrival order), priority (the request's "
+                "`priority`, lower first, may take a running request's seat), or fair (tenants share the batch's "
+                "seats by weight, a tenant below its share takes a seat from the one furthest above it; priority "
+                "orders a tenant's own requests). auto: fair where tenant_weights name tenants (brisk serve with an "
+                "API keys file), else fcfs.")
+    tenant_weights: dict[str, float] | None = knob(
+        None, 'Tenants\' weights under the fair policy, as JSON: {"a": 2, "b": 1} (a tenant not named weighs 1). '
+              "brisk serve takes them from the API keys file.")
     enable_prefix_caching: bool = knob(True, "Reuse KV blocks of prompts that share a prefix.")
     speculative_config: SpeculativeConfig | None = knob(
         None, 'Speculative decoding as JSON, in vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -209,6 +219,19 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
+        if isinstance(self.tenant_weights, str):
+            try:
+                self.tenant_weights = json.loads(self.tenant_weights)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"tenant_weights must be a JSON object of tenant -> weight: {exc}") from exc
+        if self.tenant_weights is not None and not (
+                isinstance(self.tenant_weights, dict)
+                and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0
+                        for w in self.tenant_weights.values())):
+            raise ConfigError(f"tenant_weights must map tenants to weights > 0, got {self.tenant_weights!r}")
+        if self.scheduling_policy not in ("auto", *SCHEDULING_POLICIES):
+            raise ConfigError(f"scheduling_policy must be auto or one of {', '.join(SCHEDULING_POLICIES)}, got "
+                              f"{self.scheduling_policy!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization is None:  # what "none" was called before auto became the default
@@ -306,9 +329,19 @@ class EmbeddingConfig:
              "fill while the previous one runs, and this is never waited).")
     embedding_max_batch_tokens: int = knob(16384, "Padded tokens per embedding batch (inputs x the longest), at most.")
     embedding_max_queue_size: int = knob(4096, "Inputs that may wait for a batch before new ones get 429.")
+    embedding_share_while_generating: float = knob(
+        0.25, "While generation requests are in flight, the share of wall time embedding batches may take (each "
+              "batch is followed by a pause); the rest is generation's. 1: no pause.")
+    embedding_batch_tokens_while_generating: int = knob(
+        2048, "While generation requests are in flight, padded tokens per embedding batch, at most: a short batch "
+              "holds the cores from a generation step for less time.")
 
     def __post_init__(self) -> None:
-        for name in ("embedding_max_batch_size", "embedding_max_batch_tokens", "embedding_max_queue_size"):
+        if not 0 < self.embedding_share_while_generating <= 1:
+            raise ConfigError(f"embedding_share_while_generating must be in (0, 1], got "
+                              f"{self.embedding_share_while_generating}")
+        for name in ("embedding_max_batch_size", "embedding_max_batch_tokens", "embedding_max_queue_size",
+                     "embedding_batch_tokens_while_generating"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.embedding_backend not in EMBEDDING_BACKENDS:

@@ -175,6 +175,25 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(sv)
     sv.set_defaults(func=_main_of("brisk.bench.serve"))
 
+    tn = kinds.add_parser("tenants", help="one tenant floods, another sends a steady trickle: the steady one's TTFT "
+                                          "under each scheduling policy (fcfs, fair)")
+    tn.add_argument("--policies", nargs="+", choices=("fcfs", "priority", "fair"), default=["fcfs", "fair"])
+    tn.add_argument("--steady-prompts", type=int, default=200)
+    tn.add_argument("--steady-rate", type=float, default=0.5, help="the steady tenant's Poisson arrivals, req/s")
+    tn.add_argument("--steady-output-len", type=int, default=64)
+    tn.add_argument("--output-len", type=int, default=128, help="the flood's output tokens per request")
+    tn.add_argument("--flood-factor", type=float, default=4.0,
+                    help="the flood's arrival rate, in multiples of the rate the server completes it when saturated")
+    tn.add_argument("--saturation-prompts", type=int, default=64,
+                    help="the flood's requests sent at once to measure that rate")
+    tn.add_argument("--embedding-clients", type=int, default=6,
+                    help="clients flooding /v1/embeddings beside a chat (0: skip that part)")
+    tn.add_argument("--embedding-inputs", type=int, default=2048, help="texts per embedding request")
+    tn.add_argument("--chats", type=int, default=10, help="8-token chats timed alone and beside the flood")
+    tn.add_argument("--startup-timeout", type=float, default=300.0)
+    add_engine_arguments(tn)
+    tn.set_defaults(func=_main_of("brisk.bench.tenants"))
+
     _add_compare_parser(kinds)
 
     cl = kinds.add_parser("cluster", help="2 replicas on Ray Serve (prefix-aware and round-robin routing) vs one "

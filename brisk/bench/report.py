@@ -96,6 +96,11 @@ SECTIONS = (
              "--perplexity-tokens", "4096", "--decode-len", "128", "--repeats", "3"),
             ("--configs", "auto", "--num-prompts", "8", "--output-len", "32", "--perplexity-tokens", "1024",
              "--decode-len", "32", "--repeats", "1")),
+    Section("tenants", "Two tenants: a flood beside a steady trickle",
+            "`brisk serve` with an API keys file of two tenants, under each scheduling policy: one tenant sends MT-Bench "
+            "questions (128 tokens) at 4x the rate the server completes them when saturated, the other 200 MT-Bench "
+            "questions (64 tokens) at 0.5 req/s; the steady tenant's time to first token.",
+            ("bench", "tenants"), ("--steady-prompts", "20", "--steady-rate", "1", "--saturation-prompts", "16")),
     Section("prefix", "Prefix caching", "A shared system prompt and multi-turn chats, prefix caching on and off.",
             ("bench", "prefix"), ("--num-requests", "8", "--conversations", "4", "--turns", "3")),
     Section("fairness", "Fair prefill", "TTFT of short requests while a long prompt prefills.",

@@ -15,6 +15,13 @@ Each caller gets its own result or its own exception. If the batched call fails 
 its items run again one by one, so one bad input fails only itself. A caller cancelled while
 waiting leaves the queue; one cancelled while its batch runs just drops its result. A full
 queue refuses new items with QueueFull (the server's 429).
+
+Sharing the cores (SharedCores): the server's batcher runs beside the generation engine on the
+same few cores, and a flood of embedding inputs run back to back took them from it (six clients
+sending 2,048 inputs each raised an 8-token chat's latency from 0.1 s to 2-4 s). So while
+generation has work, batches are kept short (`max_tokens` padded tokens) and each is followed
+by a pause that holds the batcher to `share` of the wall time; the queue then fills, and
+QueueFull answers the excess with 429. With generation idle, batches run back to back as before.
 """
 
 from __future__ import annotations
@@ -48,6 +55,20 @@ class BatchRecord:
     failed: int  # items answered with an exception
 
 
+@dataclass(frozen=True)
+class SharedCores:
+    """How the batcher yields the cores while `busy()` (other work, generation, is running):
+    batches of at most `max_tokens` padded tokens, each followed by a pause that keeps the
+    batcher's share of the wall time at most `share` (0 < share <= 1)."""
+
+    busy: Callable[[], bool]
+    share: float
+    max_tokens: int
+
+    def pause(self, batch_seconds: float) -> float:
+        return batch_seconds * (1 - self.share) / self.share
+
+
 @dataclass(eq=False)  # compared by identity: queue membership, not equal items
 class _Waiting:
     item: object
@@ -62,13 +83,16 @@ class DynamicBatcher(Generic[T, R]):
     def __init__(self, run: Callable[[list[T]], Sequence[R | BaseException]], size: Callable[[T], int] = lambda _: 1,
                  *, max_batch_size: int = 64, max_wait_ms: float = 5.0, max_tokens_per_batch: int | None = None,
                  max_queue_size: int = 4096, on_batch: Callable[[BatchRecord], None] = lambda _: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, shared: SharedCores | None = None):
         """run: a batch of items -> one result (or exception) per item, in order. size: an
         item's length in tokens (what padding and the token budget count)."""
         if max_batch_size < 1 or max_wait_ms < 0 or max_queue_size < 1:
             raise ValueError("max_batch_size and max_queue_size must be >= 1 and max_wait_ms >= 0")
         if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
             raise ValueError("max_tokens_per_batch must be >= 1")
+        if shared is not None and not (0 < shared.share <= 1 and shared.max_tokens >= 1):
+            raise ValueError("a SharedCores share must be in (0, 1] and its max_tokens >= 1")
+        self._shared = shared
         self._run, self._size, self._on_batch, self._clock = run, size, on_batch, clock
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1000
         self.max_tokens_per_batch, self.max_queue_size = max_tokens_per_batch, max_queue_size
@@ -164,6 +188,8 @@ class DynamicBatcher(Generic[T, R]):
                     entry.future.set_exception(outcome)
                 else:
                     entry.future.set_result(outcome)
+            if self._shared is not None and self._shared.busy():  # give the cores back for a while
+                await asyncio.sleep(self._shared.pause(seconds))
             sizes = [e.size for e in batch]
             try:
                 self._on_batch(BatchRecord(len(batch), sum(sizes), self._padded(sorted(sizes)),
@@ -179,8 +205,14 @@ class DynamicBatcher(Generic[T, R]):
             return True  # its callers were cancelled meanwhile: _take returns no batch, the loop sleeps again
         if self._clock() - self._waiting[0].arrival >= self.max_wait or len(self._waiting) >= self.max_batch_size:
             return True
-        return self.max_tokens_per_batch is not None and self._padded(sorted(e.size for e in self._waiting)) \
-            >= self.max_tokens_per_batch
+        budget = self._token_budget()
+        return budget is not None and self._padded(sorted(e.size for e in self._waiting)) >= budget
+
+    def _token_budget(self) -> int | None:
+        """Padded tokens a batch may hold now: fewer while the cores are shared."""
+        if self._shared is None or not self._shared.busy():
+            return self.max_tokens_per_batch
+        return min(self.max_tokens_per_batch or self._shared.max_tokens, self._shared.max_tokens)
 
     @staticmethod
     def _padded(sorted_sizes: list[int]) -> int:
@@ -194,7 +226,7 @@ class DynamicBatcher(Generic[T, R]):
             return []
         by_size = sorted(self._waiting, key=lambda e: e.size)
         oldest = by_size.index(self._waiting[0])
-        budget = self.max_tokens_per_batch
+        budget = self._token_budget()
         best, best_key = (oldest, oldest + 1), None
         for start in range(max(0, oldest - self.max_batch_size + 1), oldest + 1):
             if budget is not None and (oldest + 1 - start) * by_size[oldest].size > budget:

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from brisk.config import ConfigError, EmbeddingConfig
-from brisk.embed.batcher import BatchRecord, DynamicBatcher
+from brisk.embed.batcher import BatchRecord, DynamicBatcher, SharedCores
 from brisk.embed.encoder import EncoderHParams, SentenceEncoder
 from brisk.embed.onnx_backend import OnnxEncoder, onnx_file
 
@@ -154,15 +154,18 @@ class Embedder:
         float32 vectors, in one forward pass over the batch padded to its longest row."""
         return self.model(*self.pad(batch)).float()
 
-    def batcher(self, config: EmbeddingConfig, on_batch: Callable[[BatchRecord], None] = lambda _: None
-                ) -> DynamicBatcher[list[int], torch.Tensor]:
+    def batcher(self, config: EmbeddingConfig, on_batch: Callable[[BatchRecord], None] = lambda _: None,
+                generating: Callable[[], bool] | None = None) -> DynamicBatcher[list[int], torch.Tensor]:
         """A DynamicBatcher over `encode` (items: token-id lists, as tokenize returns them;
-        results: their vectors), with config's limits."""
+        results: their vectors), with config's limits; sharing the cores with generation while
+        `generating()` says it has work."""
+        shared = None if generating is None else SharedCores(generating, config.embedding_share_while_generating,
+                                                             config.embedding_batch_tokens_while_generating)
         return DynamicBatcher(lambda batch: list(self.encode(batch)), len,
                               max_batch_size=config.embedding_max_batch_size,
                               max_wait_ms=config.embedding_max_wait_ms,
                               max_tokens_per_batch=config.embedding_max_batch_tokens,
-                              max_queue_size=config.embedding_max_queue_size, on_batch=on_batch)
+                              max_queue_size=config.embedding_max_queue_size, on_batch=on_batch, shared=shared)
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], truncate: bool = True,
               batch_size: int = 64) -> list[Embedding]:

@@ -28,6 +28,7 @@ from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import Progress, Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
 from brisk.engine.step_hook import NoStepHook, StepHook
+from brisk.engine.waiting import waiting_queue
 from brisk.model.loader import kernels_name, load_model, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.sample.grammar import Grammar, GrammarCompiler
 from brisk.sampling_params import SamplingError, SamplingParams
@@ -69,7 +70,8 @@ class LLMEngine:
         # A speculative step already gains several tokens; its drafters keep state per step.
         passes = 1 if config.speculative_config is not None else config.num_scheduler_steps
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.attention_cost_context, passes)
+                                   config.enable_chunked_prefill, config.attention_cost_context, passes,
+                                   waiting_queue(config.scheduling_policy, config.tenant_weights))
         self.runner = ModelRunner(self.model, self.kv, self.kv_cache_kind, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(capture_sizes(config.max_num_seqs), self.max_model_len)
@@ -149,6 +151,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 arrival_time=request.arrival_time,
                 cache_salt=request.cache_salt,
+                tenant=request.tenant or "default",
+                priority=request.priority,
                 child_index=i,
                 sampling_seed=seed,
                 grammar=self._grammar(params),

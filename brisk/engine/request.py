@@ -101,6 +101,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first scheduling
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates prefix-cache entries (e.g. per tenant)
+    tenant: str = "default"  # whose share of the batch it runs in (engine/waiting.py: the fair policy)
+    priority: int = 0  # lower runs sooner (the priority policy; within a tenant, the fair one)
     child_index: int = 0  # which of the user request's n sequences this is
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -29,10 +29,14 @@ multi-step scheduling): each sequence gets slots for all of them up front, or th
 pass (_decode_passes). update() then appends each sequence's tokens until one stops it.
 
 When the block pool cannot hold a running request's next tokens, the newest running request
-is preempted: its blocks go back to the pool and it returns to the head of the waiting queue,
-to be recomputed later (its full blocks usually survive in the prefix cache, so the recompute
-is cheap). A request therefore never fails for lack of KV memory; it only waits. Waiting
-requests never preempt anyone.
+is preempted: its blocks go back to the pool and it returns to the waiting queue (at its head,
+under fcfs), to be recomputed later (its full blocks usually survive in the prefix cache, so
+the recompute is cheap). A request therefore never fails for lack of KV memory; it only waits.
+
+Which waiting request is tried first, and whether one may take a running request's seat when
+the batch is full, is the waiting queue's policy (engine/waiting.py: fcfs, priority, fair by
+tenant); the steps above take waiting requests in the order it gives. Seats are given up at the
+start of a step, before decodes are scheduled, so the preempted requests' decodes are not run.
 """
 
 from __future__ import annotations
@@ -41,12 +45,12 @@ import bisect
 import itertools
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.step_hook import VerifyPlan
+from brisk.engine.waiting import FcfsQueue, WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -131,14 +135,15 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, attention_cost_context: int = 2048, num_scheduler_steps: int = 1):
+                 enable_chunked_prefill: bool = True, attention_cost_context: int = 2048, num_scheduler_steps: int = 1,
+                 waiting: WaitingQueue | None = None):
         self.kv = kv
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.cost = StepCost(attention_cost_context)
-        self.waiting: deque[Request] = deque()
+        self.waiting = waiting if waiting is not None else FcfsQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -156,9 +161,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        seat_victims = self.waiting.seat_victims(self.running, self.max_num_seqs)
+        for victim in seat_victims:
+            self.running.remove(victim)
+            self._preempt(victim)
         budget = self.max_num_batched_tokens - self._schedule_decodes(out)
         if not out.preempted:  # memory is short: admitting more would only preempt again
             self._schedule_prefills(out, budget)
+        out.preempted[:0] = seat_victims
         if out.chunks:
             out.decode_passes = self._decode_passes(out)
             self.stats.num_steps += 1
@@ -219,7 +229,7 @@ class Scheduler:
         candidates = [_Prefill(r, r.num_computed_tokens) for r in self.running
                       if r.num_tokens - r.num_computed_tokens > 1]
         seats = self.max_num_seqs - len(self.running)
-        for request in itertools.islice(self.waiting, max(seats, 0)):
+        for request in itertools.islice(self.waiting.admission_order(self.running), max(seats, 0)):
             candidates.append(_Prefill(request, self.kv.find_cached_prefix(request).num_tokens))
         chunked = self.enable_chunked_prefill
         long = any(self.cost(c.remaining, c.num_computed) > budget for c in candidates)
@@ -283,11 +293,8 @@ class Scheduler:
         # step admitted them in (a preempted long prompt re-admitted after short ones stays older).
         bisect.insort(self.running, request, key=lambda r: r.arrival_time)
 
-    def _enqueue(self, request: Request, front: bool = False) -> None:
-        if front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        self.waiting.push(request, preempted)
         self.num_waiting_tokens += request.num_tokens
 
     def _preempt(self, request: Request) -> None:
@@ -296,7 +303,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self._enqueue(request, front=True)
+        self._enqueue(request, preempted=True)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Progress]:
         """Records a finished step: computed tokens, new tokens, finished requests.

@@ -39,7 +39,8 @@ from brisk.server.errors import ErrorResponse, error_body, install_error_handler
 from brisk.server.live import LiveStats
 from brisk.server.metrics import PrometheusStatLogger
 from brisk.server.caching import ResponseCaching, model_scope
-from brisk.server.middleware import DEFAULT_TENANT, APIKeyMiddleware, BodySizeLimitMiddleware, read_api_keys
+from brisk.server.middleware import (DEFAULT_TENANT, APIKeyMiddleware, APIKeys, BodySizeLimitMiddleware,
+                                    read_api_keys)
 from brisk.server.openai_api import openai_router
 from brisk.server.service_api import service_router
 from brisk.server.serving import Serving
@@ -65,11 +66,17 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     engine.add_stat_logger(live)
     embeddings = None
     if embedder is not None:
-        embeddings = EmbeddingServing(embedder, embedding_config or EmbeddingConfig(), metrics.record_embedding_batch)
+        embeddings = EmbeddingServing(embedder, embedding_config or EmbeddingConfig(), metrics.record_embedding_batch,
+                                      generating=lambda: serving.tenants.busy)  # `serving` is made below
         metrics.embedding_queue_depth.set_function(lambda: embeddings.batcher.queue_depth)
     caching = None
     if response_cache is not None:
-        on_hit = metrics.watch_response_cache(lambda: caching.stats())
+        hit_latency = metrics.watch_response_cache(lambda: caching.stats())
+
+        def on_hit(kind: str, seconds: float, tenant: str) -> None:
+            hit_latency(kind, seconds)
+            serving.tenants.count(tenant, response_cache_hits=1)  # `serving` is made below
+
         caching = ResponseCaching(response_cache, cache_config or ResponseCacheConfig(),
                                   model_scope(model_names[0], engine.model_info.identity), embedder, on_hit)
 
@@ -89,7 +96,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
 
     app = FastAPI(title="brisk", lifespan=lifespan)
     install_error_handlers(app)
-    keys = read_api_keys(config.api_keys_file) if config.api_keys_file else {}
+    api_keys = read_api_keys(config.api_keys_file) if config.api_keys_file else APIKeys({}, {})
+    keys = dict(api_keys.tenants)
     if config.api_key:
         if config.api_key in keys:
             raise ConfigError(f"api_key is also a key of {config.api_keys_file} "
@@ -98,7 +106,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     app.add_middleware(APIKeyMiddleware, keys=keys, admin_api_key=config.admin_api_key or config.api_key,
                        open_paths=OPEN_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    serving = Serving(engine, config, model_names)
+    serving = Serving(engine, config, model_names, api_keys.limits)
+    metrics.watch_tenants(serving.tenants.usage, {DEFAULT_TENANT, *api_keys.limits})
     app.include_router(openai_router(serving, embeddings, caching))
     if embeddings is not None:
         app.include_router(embedding_router(embeddings))

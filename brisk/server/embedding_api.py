@@ -29,9 +29,11 @@ class EmbeddingServing:
     """The embedding model behind /v1/embeddings: validation, the batcher, the response shape."""
 
     def __init__(self, embedder: Embedder, config: EmbeddingConfig,
-                 on_batch: Callable[[BatchRecord], None] = lambda _: None):
+                 on_batch: Callable[[BatchRecord], None] = lambda _: None,
+                 generating: Callable[[], bool] | None = None):
+        """generating: whether generation requests are in flight (the batcher then shares the cores)."""
         self.embedder = embedder
-        self.batcher = embedder.batcher(config, on_batch)
+        self.batcher = embedder.batcher(config, on_batch, generating)
 
     @property
     def model_name(self) -> str:

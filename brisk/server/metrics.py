@@ -104,8 +104,12 @@ class PrometheusStatLogger:
                          s["guard_rejections"], CounterMetricFamily),
                         ("evictions", "Cached responses dropped by TTL or the size cap.", s["evictions"],
                          CounterMetricFamily),
+                        ("errors", "Response-store calls that failed, answered as misses or not stored.",
+                         s["errors"], CounterMetricFamily),
                         ("entries", "Cached responses in the store.", s["entries"], GaugeMetricFamily),
                         ("bytes", "Bytes of cached responses in the store.", s["bytes"], GaugeMetricFamily)):
+                    if value is None:  # a store that could not say: no figure rather than a made-up one
+                        continue
                     family = kind(f"brisk:response_cache_{name}", doc, labels=list(labels))
                     family.add_metric(list(labels.values()), value)
                     families.append(family)
@@ -113,6 +117,32 @@ class PrometheusStatLogger:
 
         self.registry.register(Collector())
         return lambda kind, seconds: hit_seconds.labels(**labels, kind=kind).observe(seconds)
+
+    def watch_tenants(self, usage: Callable[[], dict[str, dict[str, int]]], named: set[str]) -> None:
+        """Exposes each tenant's counts at each scrape (`usage`: TenantLedger.usage, tenant ->
+        requests, prompt_tokens, generation_tokens, response_cache_hits), labelled by tenant for
+        the tenants in `named` (the keys file's, and `default`), the rest summed under `other`,
+        so a client naming tenants in X-Tenant cannot grow the label set."""
+        labels = self._labels
+        docs = {"requests": "Generation requests accepted (one per prompt), by tenant.",
+                "prompt_tokens": "Prompt tokens of accepted requests (each sequence counted), by tenant.",
+                "generation_tokens": "Tokens generated, by tenant.",
+                "response_cache_hits": "Requests answered from the response cache, by tenant."}
+
+        class Collector:
+            def collect(self):
+                folded: dict[str, dict[str, int]] = {}
+                for tenant, counts in usage().items():
+                    into = folded.setdefault(tenant if tenant in named else "other", dict.fromkeys(docs, 0))
+                    for name in docs:
+                        into[name] += counts.get(name, 0)
+                for name, doc in docs.items():
+                    family = CounterMetricFamily(f"brisk:tenant_{name}", doc, labels=[*labels, "tenant"])
+                    for tenant, counts in sorted(folded.items()):
+                        family.add_metric([*labels.values(), tenant], counts[name])
+                    yield family
+
+        self.registry.register(Collector())
 
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
         self.running.set(snapshot.num_running)

@@ -49,23 +49,73 @@ class Caller:
     admin: bool  # may act on every tenant (DELETE /v1/cache)
 
 
-def read_api_keys(path: str) -> dict[str, str]:
-    """`KEY TENANT` per line, `#` comments and blank lines skipped; a key listed twice is an error."""
-    keys: dict[str, str] = {}
+@dataclass(frozen=True)
+class TenantLimits:
+    """What the keys file says of a tenant: its weight in the fair scheduling policy (its share
+    of the batch's seats, engine/waiting.py), and the most it may have in flight (accepted and
+    not finished: requests, and their prompt tokens) before its new requests get 429."""
+
+    weight: float = 1.0
+    max_concurrent: int | None = None
+    max_queued_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class APIKeys:
+    tenants: dict[str, str]  # key -> tenant
+    limits: dict[str, TenantLimits]  # tenant -> its limits, for every tenant the file names
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {tenant: limits.weight for tenant, limits in self.limits.items()}
+
+
+_LIMIT_FIELDS = {"weight": float, "max_concurrent": int, "max_queued_tokens": int}
+
+
+def read_api_keys(path: str) -> APIKeys:
+    """`KEY TENANT [weight=W] [max_concurrent=N] [max_queued_tokens=T]` per line, `#` comments and
+    blank lines skipped. A key listed twice is an error, and so are two lines of one tenant that
+    disagree on its limits (a limit given on one line and left out on another agrees)."""
+    tenants: dict[str, str] = {}
+    given: dict[str, dict[str, float | int]] = {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
-            if len(fields) != 2 or not _TENANT.fullmatch(fields[1].encode()):
-                raise ValueError(f"{path}:{number}: expected `KEY TENANT` (a tenant of letters, digits and _.:@-, at "
-                                 f"most 64), got {line.strip()!r}")
-            if fields[1] == DEFAULT_TENANT:  # the tenant of api_key and admin_api_key: it would share their answers
+            if len(fields) < 2 or not _TENANT.fullmatch(fields[1].encode()):
+                raise ValueError(f"{path}:{number}: expected `KEY TENANT [weight=W] [max_concurrent=N] "
+                                 f"[max_queued_tokens=T]` (a tenant of letters, digits and _.:@-, at most 64), got "
+                                 f"{line.strip()!r}")
+            key, tenant = fields[:2]
+            if tenant == DEFAULT_TENANT:  # the tenant of api_key and admin_api_key: it would share their answers
                 raise ValueError(f"{path}:{number}: the tenant name {DEFAULT_TENANT!r} is reserved")
-            if fields[0] in keys:
+            if key in tenants:
                 raise ValueError(f"{path}:{number}: the key is listed twice")
-            keys[fields[0]] = fields[1]
-    return keys
+            tenants[key] = tenant
+            known = given.setdefault(tenant, {})
+            for name, value in (_limit(path, number, field) for field in fields[2:]):
+                if known.setdefault(name, value) != value:
+                    raise ValueError(f"{path}:{number}: {name}={value} for tenant {tenant!r}, which an earlier "
+                                     f"line gives {name}={known[name]}")
+    return APIKeys(tenants, {tenant: TenantLimits(**values) for tenant, values in given.items()})
+
+
+def _limit(path: str, number: int, field: str) -> tuple[str, float | int]:
+    name, _, text = field.partition("=")
+    kind = _LIMIT_FIELDS.get(name)
+    if kind is None or not text:
+        raise ValueError(f"{path}:{number}: expected weight=W, max_concurrent=N or max_queued_tokens=T after the "
+                         f"tenant, got {field!r}")
+    try:
+        value = kind(text)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise ValueError(f"{path}:{number}: {name} must be a {'number' if kind is float else 'whole number'} > 0, "
+                         f"got {text!r}")
+    return name, value
 
 
 class APIKeyMiddleware:

@@ -151,6 +151,7 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Logprobs | None = None
     cache_salt: Text | None = None  # prefix-cache entries are shared only between requests with the same salt
+    priority: int = 0  # lower runs sooner: under the priority policy, and within a tenant under fair
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None

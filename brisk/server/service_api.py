@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from brisk.engine.output import RequestOutput, accumulate
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
-from brisk.server.caching import Cacheable, ResponseCaching, caller, lookup, worth_storing
+from brisk.server.caching import Cacheable, ResponseCaching, caller, greedy, lookup, worth_storing
 from brisk.server.errors import APIError
 from brisk.server.protocol import GenerateBatchRequest, GenerateRequest
 from brisk.server.serving import STREAMING_RESPONSES, Serving, sse
@@ -55,7 +55,7 @@ class ServiceAPI:
         start = time.monotonic()
         request = None if body.optimization != "full" else Cacheable(
             route="generate", params={"max_tokens": body.max_tokens, "temperature": body.temperature}, context=None,
-            text=body.prompt, semantic=True, deterministic=body.temperature == 0, opt=body.cache,
+            text=body.prompt, semantic=True, deterministic=greedy(body.temperature), opt=body.cache,
             threshold=body.cache_similarity_threshold)
         cached = await lookup(self.caching, http, request)
         if cached.hit is not None:
@@ -73,7 +73,8 @@ class ServiceAPI:
                               OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
         # optimization=none: a private cache salt, so the prompt reuses no cached blocks and shares none.
         salt = uuid.uuid4().hex if body.optimization == "none" else None
-        [stream] = await self.serving.submit([prompt_ids], [params], f"gen-{uuid.uuid4().hex}", salt)
+        [stream] = await self.serving.submit([prompt_ids], [params], f"gen-{uuid.uuid4().hex}", salt,
+                                             caller(http).tenant)
 
         def result(text: str, tokens: int) -> dict:
             return {"text": text, "tokens_generated": tokens, "latency_ms": (time.monotonic() - start) * 1000,
@@ -105,7 +106,7 @@ class ServiceAPI:
         prompts = await self.serving.tokenize(body.prompts, "prompts")
         params = [self._params(body.max_tokens, body.temperature, len(ids), f"prompts[{i}]", OutputKind.FINAL_ONLY)
                   for i, ids in enumerate(prompts)]
-        streams = await self.serving.submit(prompts, params, f"batch-{uuid.uuid4().hex}")
+        streams = await self.serving.submit(prompts, params, f"batch-{uuid.uuid4().hex}", tenant=caller(http).tenant)
         finals = await self.serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)

@@ -4,7 +4,9 @@ server-sent events).
 
 Admission counts sequences and prompt tokens, not requests: one request with n=128 is 128
 sequences of work. A request that could never fit the waiting queue gets 400; one that does not
-fit now gets 429 with Retry-After.
+fit now gets 429 with Retry-After. So does one past its tenant's own limits (the API keys file's
+max_concurrent and max_queued_tokens: sequences and prompt tokens the tenant has in flight,
+accepted and not finished), which each tenant's streams give back as they end (TenantLedger).
 """
 
 from __future__ import annotations
@@ -13,23 +15,112 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from brisk.config import ServerConfig
-from brisk.transport.client import EngineClient, EngineDeadError
+from brisk.transport.client import EngineClient, EngineDeadError, QueueLoad
 from brisk.engine.output import RequestOutput
 from brisk.model.tokenizer import NoChatTemplateError, continue_final_message
 from brisk.sampling_params import SamplingError, SamplingParams
 from brisk.server.errors import APIError, error_body
+from brisk.server.middleware import DEFAULT_TENANT, TenantLimits
 from brisk.server.protocol import ChatCompletionRequest
 from brisk.server.tools import template_messages
 
 logger = logging.getLogger("brisk.server")
 
 Streams = list[AsyncIterator[RequestOutput]]
+BUSY_LINGER_SECONDS = 1.0
+
+
+class TenantLedger:
+    """What each tenant has in flight (sequences, prompt tokens) and has asked for so far:
+    admission reads the first against the tenant's limits, /metrics the second."""
+
+    def __init__(self, limits: dict[str, TenantLimits]):
+        self.limits = limits
+        self.in_flight: dict[str, QueueLoad] = {}
+        self._last_release = -BUSY_LINGER_SECONDS
+        self._usage: dict[str, Counter[str]] = {}  # tenant -> requests, prompt_tokens, generation_tokens, ...
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant: requests accepted, their prompt tokens (each sequence counted), tokens
+        generated, responses served from the response cache."""
+        return {tenant: dict(counts) for tenant, counts in self._usage.items()}
+
+    def count(self, tenant: str, **counts: int) -> None:
+        self._usage.setdefault(tenant, Counter()).update(counts)
+
+    @property
+    def busy(self) -> bool:
+        """Whether generation has work: a request in flight, or one that ended within the last
+        BUSY_LINGER_SECONDS (a client's next request usually follows its last at once, and a
+        full embedding batch started in that gap would hold the cores when it arrives)."""
+        return any(load.num_seqs for load in self.in_flight.values()) or \
+            time.monotonic() - self._last_release < BUSY_LINGER_SECONDS
+
+    def check(self, tenant: str, load: QueueLoad) -> None:
+        """429 with Retry-After when `load` more would take the tenant past its limits."""
+        limits = self.limits.get(tenant)
+        if limits is None:
+            return
+        held = self.in_flight.get(tenant, QueueLoad(0, 0))
+        for limit, have, asked, what, name in (
+                (limits.max_concurrent, held.num_seqs, load.num_seqs, "sequences", "max_concurrent"),
+                (limits.max_queued_tokens, held.num_tokens, load.num_tokens, "prompt tokens", "max_queued_tokens")):
+            if limit is not None and have + asked > limit:
+                raise APIError(429, f"Tenant {tenant!r} has {have} {what} in flight, and this request adds {asked}; "
+                                    f"its limit is {limit} ({name}).", type="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+
+    def hold(self, tenant: str, load: QueueLoad, stream: AsyncIterator[RequestOutput]) -> "_HeldStream":
+        """Counts `load` in flight for `tenant` until `stream` ends or is closed."""
+        self.in_flight[tenant] = self.in_flight.get(tenant, QueueLoad(0, 0)) + load
+        self.count(tenant, requests=1, prompt_tokens=load.num_tokens)
+        return _HeldStream(stream, self, tenant, load)
+
+    def _release(self, tenant: str, load: QueueLoad, generated: int) -> None:
+        self.in_flight[tenant] -= load
+        self._last_release = time.monotonic()
+        self.count(tenant, generation_tokens=generated)
+
+
+class _HeldStream:
+    """An engine stream that gives its tenant's load back once: when it ends, fails, is
+    cancelled or closed (or, failing all of those, is collected), counting the tokens generated."""
+
+    def __init__(self, stream: AsyncIterator[RequestOutput], ledger: TenantLedger, tenant: str, load: QueueLoad):
+        self._stream, self._ledger, self._tenant, self._load = stream, ledger, tenant, load
+        self._generated = 0
+        self._held = True
+
+    def __aiter__(self) -> "_HeldStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            output = await self._stream.__anext__()
+        except BaseException:
+            self._give_back()
+            raise
+        self._generated += sum(len(c.token_ids) for c in output.outputs)  # the routes ask for deltas or the final one
+        return output
+
+    async def aclose(self) -> None:
+        self._give_back()
+        await self._stream.aclose()
+
+    def _give_back(self) -> None:
+        if self._held:
+            self._held = False
+            self._ledger._release(self._tenant, self._load, self._generated)
+
+    def __del__(self) -> None:
+        self._give_back()
 
 # OpenAPI `responses` of a route that answers JSON, or server-sent events when asked to stream.
 STREAMING_RESPONSES = {200: {"description": "JSON, or server-sent events with `stream: true`",
@@ -37,8 +128,10 @@ STREAMING_RESPONSES = {200: {"description": "JSON, or server-sent events with `s
 
 
 class Serving:
-    def __init__(self, engine: EngineClient, config: ServerConfig, model_names: list[str]):
+    def __init__(self, engine: EngineClient, config: ServerConfig, model_names: list[str],
+                 tenant_limits: dict[str, TenantLimits] | None = None):
         self.engine = engine
+        self.tenants = TenantLedger(tenant_limits or {})
         self.model_names = model_names  # aliases: requests may name any, responses report the first
         self.model_name = model_names[0]
         self.created = int(time.time())  # when the model came to be served: `created` of /v1/models
@@ -110,14 +203,15 @@ class Serving:
                            code="context_length_exceeded")
         return requested
 
-    def admit(self, num_seqs: int, num_tokens: int) -> None:
-        """Bounded waiting queue, in sequences and in prompt tokens."""
+    def admit(self, num_seqs: int, num_tokens: int, tenant: str = DEFAULT_TENANT) -> None:
+        """Bounded waiting queue, in sequences and in prompt tokens; and the tenant's own limits."""
         if num_seqs > self.max_waiting_seqs or num_tokens > self.max_waiting_tokens:
             raise APIError(400, f"This request is {num_seqs} sequences with {num_tokens} prompt tokens in all; the "
                                 f"server queues at most {self.max_waiting_seqs} sequences and "
                                 f"{self.max_waiting_tokens} prompt tokens (max_waiting_seqs, max_waiting_tokens). "
                                 f"Send fewer prompts or completions per request.", param="n",
                            code="request_too_large")
+        self.tenants.check(tenant, QueueLoad(num_seqs, num_tokens))
         load = self.engine.queue_load()
         if load.num_seqs + num_seqs > self.max_waiting_seqs or load.num_tokens + num_tokens > self.max_waiting_tokens:
             raise APIError(429, f"The server is busy: {load.num_seqs} sequences with {load.num_tokens} prompt tokens "
@@ -125,14 +219,17 @@ class Serving:
 
     # ----- submit and answer -----------------------------------------------------------------
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-                     cache_salt: str | None = None) -> Streams:
+                     cache_salt: str | None = None, tenant: str | None = None, priority: int = 0) -> Streams:
         """Admits the whole request, then queues one engine request per prompt (ids request_id-i).
         All or nothing: if one prompt is refused, those already queued are aborted."""
-        self.admit(sum(p.n for p in params), sum(p.n * len(ids) for ids, p in zip(prompts, params)))
+        tenant = tenant or DEFAULT_TENANT
+        self.admit(sum(p.n for p in params), sum(p.n * len(ids) for ids, p in zip(prompts, params)), tenant)
         streams = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
-                streams.append(self.engine.generate(ids, p, f"{request_id}-{i}", cache_salt=cache_salt))
+                stream = self.engine.generate(ids, p, f"{request_id}-{i}", cache_salt=cache_salt, tenant=tenant,
+                                              priority=priority)
+                streams.append(self.tenants.hold(tenant, QueueLoad(p.n, p.n * len(ids)), stream))
         except BaseException:
             for stream in streams:
                 await stream.aclose()

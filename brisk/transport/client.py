@@ -115,7 +115,8 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                 prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Queues a request; returns the async iterator of its outputs (call from the event loop).
 
         Validates first, so a bad request raises SamplingError before anything is queued and a

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from brisk.embed.batcher import BatchRecord, DynamicBatcher, QueueFull
+from brisk.embed.batcher import BatchRecord, DynamicBatcher, QueueFull, SharedCores
 
 
 class Model:
@@ -253,3 +253,48 @@ def test_records_describe_each_batch():
     (record,) = asyncio.run(run())
     assert (record.size, record.tokens, record.padded_tokens, record.failed) == (3, 9, 12, 0)
     assert record.queue_waits == [0.5, 0.0, 0.0] and record.seconds == 0.25
+
+
+def test_while_generation_runs_batches_are_short_and_each_is_followed_by_a_pause(monkeypatch):
+    """SharedCores: with generation busy, padded batches of at most max_tokens, each followed by
+    a pause of (1 - share) / share times its own duration; once idle, full batches, no pause."""
+    clock, busy, pauses = Clock(), [True], []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds):
+        if seconds:
+            pauses.append(seconds)
+        await real_sleep(0)
+
+    class Timed(Model):
+        def __call__(self, items):
+            clock.now += 2.0  # each batch takes 2 s on the batcher's clock
+            return super().__call__(items)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+
+    async def run():
+        model = Timed(hold_first=True)
+        batcher = _batcher(model, clock=clock, max_batch_size=4,
+                           shared=SharedCores(lambda: busy[0], share=0.25, max_tokens=25))
+        held = asyncio.ensure_future(batcher.submit(10))
+        await _started(model)
+        rest = [asyncio.ensure_future(batcher.submit(10)) for _ in range(4)]
+        await _queued(batcher, 4)
+        model.release()
+        await asyncio.gather(held, *rest)
+        busy[0] = False
+        idle = [asyncio.ensure_future(batcher.submit(10)) for _ in range(4)]
+        await asyncio.gather(*idle)
+        await batcher.close()
+        return model.batches
+
+    batches = asyncio.run(run())
+    assert [len(b) for b in batches] == [1, 2, 2, 4]  # 3 x 10 padded tokens would pass 25
+    assert pauses == [6.0, 6.0, 6.0]  # 2 s batches at a quarter share: 6 s off each; none once idle
+
+
+def test_shared_cores_are_checked():
+    for share, tokens in ((0.0, 10), (1.5, 10), (0.5, 0)):
+        with pytest.raises(ValueError, match="SharedCores"):
+            DynamicBatcher(Model(), shared=SharedCores(lambda: True, share, tokens))

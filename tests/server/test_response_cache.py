@@ -21,6 +21,7 @@ from brisk.cache.response_cache import ResponseCache
 from brisk.cache.sqlite_store import SQLiteStore
 from brisk.config import ResponseCacheConfig
 from tests.conftest import build_tiny_checkpoint
+from tests.helpers import metric_values
 from tests.server.conftest import running_server, serve_tiny
 
 CHAT = {"messages": [{"role": "user", "content": "How do I reset my password?"}], "max_tokens": 8,
@@ -201,6 +202,11 @@ def test_with_keys_the_tenant_is_the_keys_and_clearing_is_scoped(cache_server, t
         assert chat(c, **alice).headers["x-brisk-cache"] == "exact"  # alice's answer is still there
         assert c.delete("/v1/cache", headers={"Authorization": "Bearer adm"}).json()["removed_responses"] == 1
         assert chat(c, **alice).headers["x-brisk-cache"] == "miss"
+        # per tenant: alice's two hits and two model runs, bob's one run
+        metrics = metric_values(c.get("/metrics").text)
+        hits = {t: metrics.get(f'brisk:tenant_response_cache_hits_total{{tenant="{t}"}}') for t in ("alice", "bob")}
+        runs = {t: metrics.get(f'brisk:tenant_requests_total{{tenant="{t}"}}') for t in ("alice", "bob")}
+        assert (hits, runs) == ({"alice": 2, "bob": 0}, {"alice": 2, "bob": 1})
 
 
 def test_generate_uses_the_cache_only_at_full(cache_server):
@@ -255,13 +261,18 @@ def test_a_failing_store_costs_hits_not_answers(tiny_engine, real_embedder, tmp_
 
 
 def test_api_keys_file_is_checked(tmp_path):
-    from brisk.server.middleware import read_api_keys
+    from brisk.server.middleware import TenantLimits, read_api_keys
 
     keys = tmp_path / "keys"
-    keys.write_text("k1 alice  # a comment\n\nk2 bob\n")
-    assert read_api_keys(str(keys)) == {"k1": "alice", "k2": "bob"}
+    keys.write_text("k1 alice  # a comment\n\nk2 bob weight=2 max_concurrent=4\nk3 bob max_queued_tokens=900\n")
+    read = read_api_keys(str(keys))
+    assert read.tenants == {"k1": "alice", "k2": "bob", "k3": "bob"}
+    assert read.limits == {"alice": TenantLimits(), "bob": TenantLimits(2.0, 4, 900)}
+    assert read.weights == {"alice": 1.0, "bob": 2.0}
     for text, problem in (("k1 default\n", "reserved"), ("k1 alice\nk1 bob\n", "twice"), ("k1\n", "KEY TENANT"),
-                          ("k1 two words\n", "KEY TENANT"), ("k1 bad/tenant\n", "KEY TENANT")):
+                          ("k1 two words\n", "weight=W"), ("k1 bad/tenant\n", "KEY TENANT"),
+                          ("k1 a weight=0\n", "weight must be"), ("k1 a max_concurrent=1.5\n", "whole number"),
+                          ("k1 a weight=1\nk2 a weight=2\n", "earlier line")):
         keys.write_text(text)
         with pytest.raises(ValueError, match=problem):
             read_api_keys(str(keys))
