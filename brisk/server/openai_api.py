@@ -19,13 +19,13 @@ from fastapi.responses import JSONResponse, Response
 from brisk.cache.keys import canonical
 from brisk.engine.output import CompletionOutput, RequestOutput, accumulate
 from brisk.sample.logprobs import TokenLogprobs
-from brisk.server.caching import (Cacheable, CacheLookup, ResponseCaching, deterministic, fields, lookup,
+from brisk.server.caching import (Cacheable, CacheLookup, ResponseCaching, caller, deterministic, fields, lookup,
                                   worth_storing)
 from brisk.server.embedding_api import EmbeddingServing
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, sse
-from brisk.server.tools import ToolCallParser, parse_tool_calls, tool_grammar
+from brisk.server.tools import ToolCallParser, check_tools, parse_tool_calls, tool_grammar
 
 
 def openai_router(serving: Serving, embeddings: EmbeddingServing | None = None,
@@ -68,13 +68,15 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
         serving.check_model(body.model)
+        check_tools(body)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",
                            param="prompt_logprobs")
         cached = await lookup(self.caching, http, chat_cacheable(body) if self.caching else None)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if cached.hit is not None:
-            return self._replay(body, cached, request_id, created, self._replay_chat)
+            prompt_ids = await serving.render_chat(body) if cached.status == "semantic" else None
+            return self._replay(body, cached, request_id, created, self._replay_chat, prompt_ids)
         prompt_ids = await serving.render_chat(body)
         constraint, forced = body.structured_outputs_spec(), tool_grammar(body)
         if constraint is not None and forced is not None:
@@ -82,7 +84,8 @@ class OpenAIServing:
                                 "another output constraint.", param="tool_choice")
         params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
                                       constraint or forced)
-        streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt)
+        streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt, caller(http).tenant,
+                                       body.priority)
         tools = _ToolCalls({t.function.name for t in body.tools or []} if body.tool_choice != "none" else set(),
                            forced is not None)
         if body.stream:
@@ -104,9 +107,14 @@ class OpenAIServing:
         return response
 
     # ----- answers from the response cache ---------------------------------------------------
-    def _replay(self, body, cached: CacheLookup, response_id: str, created: int, stream_events) -> Response:
-        """The cached response under this request's id and time; streamed if the request streams."""
+    def _replay(self, body, cached: CacheLookup, response_id: str, created: int, stream_events,
+                prompt_ids: list[int] | None) -> Response:
+        """The cached response under this request's id and time; streamed if the request streams.
+        A semantic hit's answer was stored for another wording: its usage counts this request's
+        prompt (`prompt_ids`), the completion as stored, and no token read from the prefix cache."""
         response = {**cached.hit.response, "id": response_id, "created": created}
+        if prompt_ids is not None:
+            response["usage"] = _usage_counts(len(prompt_ids), response["usage"]["completion_tokens"], 0)
         if body.stream:
             return sse(stream_events(body, response), cached.headers)
         return JSONResponse(response, headers=cached.headers)
@@ -186,7 +194,8 @@ class OpenAIServing:
         cached = await lookup(self.caching, http, _completion_cacheable(body, prompts) if self.caching else None)
         base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if cached.hit is not None:
-            return self._replay(body, cached, base_id, created, self._replay_completion)
+            prompt_ids = (await serving.tokenize(prompts, "prompt"))[0] if cached.status == "semantic" else None
+            return self._replay(body, cached, base_id, created, self._replay_completion, prompt_ids)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
         for i, ids in zip(texts, await serving.tokenize([prompts[i] for i in texts], "prompt")):
             prompts[i] = ids
@@ -194,7 +203,7 @@ class OpenAIServing:
         requested = 1 if body.scores_only else body.requested_max_tokens()  # one token made, then dropped
         params = [body.sampling_params(serving.max_tokens(requested, len(ids), "prompt"), constraint)
                   for ids in prompts]
-        streams = await serving.submit(prompts, params, base_id, body.cache_salt)
+        streams = await serving.submit(prompts, params, base_id, body.cache_salt, caller(http).tenant, body.priority)
         if body.stream:
             return sse(self._completion_stream(body, streams, base_id, created, cached), cached.headers)
         finals = await serving.collect(http, streams)
@@ -299,13 +308,14 @@ def _message(message) -> dict:
 
 
 def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]]) -> Cacheable | None:
-    """One prompt per request is cached (a batch of prompts is not). Token-id prompts, echo and
-    prompt logprobs are about the prompt itself, so they match exactly only."""
+    """One prompt per request is cached (a batch of prompts is not). Token-id prompts match
+    exactly only (cache_query does the same for echo and prompt logprobs: they are about the
+    prompt's own tokens)."""
     if len(prompts) != 1:
         return None
     [prompt] = prompts
     text = prompt if isinstance(prompt, str) else canonical(prompt)
-    semantic = isinstance(prompt, str) and not body.echo and body.prompt_logprobs is None
+    semantic = isinstance(prompt, str)
     return Cacheable(route="completions", params=fields(body, "prompt"), context=None, text=text, semantic=semantic,
                      deterministic=deterministic(body), opt=body.cache, threshold=body.cache_similarity_threshold)
 

@@ -17,6 +17,10 @@ arguments constrained by each function's JSON schema), so the answer is always a
 (a named function, or "required": exactly one; "required" with parallel_tool_calls set to true
 by the client: one or more);
 "auto" lets the model choose and parses whatever blocks it writes; "none" parses nothing.
+
+Whatever tool_choice is, a request is refused (400, as OpenAI refuses it) when a function's
+parameters are not a valid JSON schema of an object, two functions share a name, or the
+conversation's tool turns do not pair up with its tool calls (check_tools).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 from brisk.sample.grammar import JSON_OPTIONS, StructuredOutputs, close_objects
 from brisk.sampling_params import SamplingError
+from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -35,6 +40,57 @@ TOOLS_PROMPT = ("You can call functions. To call one, answer with a block like t
                 "else:\n" + OPEN + '\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n' + CLOSE +
                 "\nThe functions, as JSON schemas:\n{definitions}")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+
+def check_tools(body: ChatCompletionRequest) -> None:
+    """Raises APIError (400) for tools or tool turns OpenAI refuses, with its messages and params,
+    before anything is rendered: a bad schema would otherwise fail only when a call is forced,
+    or never (a top-level type other than object was overwritten), and a result without its
+    call, or a call without its result, renders a conversation no template was written for."""
+    first: dict[str, int] = {}  # function name -> index of the tool that has it
+    for i, tool in enumerate(body.tools or []):
+        name = tool.function.name
+        if name in first:
+            raise APIError(400, f"Invalid 'tools[{i}].function.name': '{name}' is already the name of tools[{first[name]}];"
+                                " function names must be unique.", param=f"tools[{i}].function.name")
+        first[name] = i
+        _check_parameters(tool, f"tools[{i}].function.parameters")
+    _check_tool_turns(body.messages)
+
+
+def _check_parameters(tool: Tool, param: str) -> None:
+    """The schema is checked as response_format's is, in the form a forced call compiles it."""
+    declared = (tool.function.parameters or {}).get("type", "object")
+    try:
+        if declared != "object":
+            raise ValueError(f"schema must be a JSON Schema of 'type: \"object\"', got 'type: {json.dumps(declared)}'")
+        StructuredOutputs(json=_arguments_schema(tool))
+    except ValueError as exc:
+        raise APIError(400, f"Invalid schema for function '{tool.function.name}': {exc}.", param=param,
+                       code="invalid_function_parameters") from exc
+
+
+def _check_tool_turns(messages: list[ChatMessage]) -> None:
+    """Each tool message answers a call of the last assistant message, once; every call is
+    answered before the next user or assistant message, or the end."""
+    unanswered: dict[str, int] = {}  # call id -> index of the message that made the call
+    for i, message in enumerate(messages):
+        if message.role == "tool" and unanswered.pop(message.tool_call_id, None) is None:
+            raise APIError(400, "Invalid parameter: messages with role 'tool' must be a response to a preceding "
+                                f"message with 'tool_calls'; messages[{i}].tool_call_id is "
+                                f"{json.dumps(message.tool_call_id)}, which is no unanswered call of the assistant "
+                                "message before it.", param=f"messages.[{i}].role")
+        if message.role in ("user", "assistant"):
+            _check_answered(unanswered)
+            unanswered = {call.id: i for call in message.tool_calls or []}
+    _check_answered(unanswered)
+
+
+def _check_answered(unanswered: dict[str, int]) -> None:
+    if unanswered:
+        raise APIError(400, "An assistant message with 'tool_calls' must be followed by tool messages responding to "
+                            "each 'tool_call_id'. The following tool_call_ids did not have response messages: "
+                            f"{', '.join(unanswered)}", param=f"messages.[{next(iter(unanswered.values()))}].role")
 
 
 def template_messages(body: ChatCompletionRequest, template_knows_tools: bool) -> list[dict]:
