@@ -19,16 +19,22 @@ an in-memory sqlite-vec index (vectors.py), and keeps it consistent with Redis t
 
 Exact lookups go straight to Redis (one HGETALL). LRU order is a sorted set of last use, TTL a
 sorted set of expiry times, both trimmed on put by whichever process writes.
+
+A Redis that goes down costs misses (store.FailSafeStore), each call failing at once (refused)
+or after _TIMEOUT_SECONDS: redis-py retries nothing here (a client from a URL gets no retry
+policy). When it is back, the next call reconnects by itself: the pool drops a connection the
+server closed before handing it out, and a script Redis forgot is loaded again.
 """
 
 from __future__ import annotations
 
 import threading
+from urllib.parse import urlsplit
 
 import numpy as np
 import redis
 
-from brisk.cache.store import EXPIRED_PER_PUT, Entry, ResponseStore, StoreStats
+from brisk.cache.store import EXPIRED_PER_PUT, GARBAGE, Entry, ResponseStore, StoreStats
 from brisk.config import ConfigError
 from brisk.cache.vectors import VectorIndex, connect
 
@@ -79,6 +85,7 @@ return deleted
 
 class RedisStore(ResponseStore):
     local = False
+    failures = (redis.RedisError, *GARBAGE)  # garbage: keys under the prefix that brisk did not write
 
     def __init__(self, url: str, max_entries: int, dimensions: int | None, prefix: str = PREFIX):
         self.url, self.max_entries, self.prefix = url, max_entries, prefix
@@ -96,6 +103,10 @@ class RedisStore(ResponseStore):
         self.vectors = VectorIndex(connect(":memory:"), dimensions) if dimensions is not None else None
         self._keys: dict[int, str] = {}  # index id -> entry key
         self._log_position: bytes | None = None  # the last log message applied; None: rebuild first
+
+    def __str__(self) -> str:
+        netloc = urlsplit(self.url).netloc
+        return self.url.replace(netloc, netloc.rpartition("@")[2], 1)  # no password in the logs
 
     def _entry_key(self, key: str) -> str:
         return f"{self.prefix}e:{key}"

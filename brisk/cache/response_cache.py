@@ -7,6 +7,8 @@ a few nearest candidates, and the first that passes both checks is served: a loo
 than a true paraphrase does not hide the paraphrase.
 
 Figures are counted here, where lookups happen, and read by /v1/cache/stats and /metrics.
+The store is reached only through FailSafeStore (store.py): a store that fails costs misses
+and unstored answers, counted as `errors`, never a request.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from brisk.cache.guard import disagreement
 from brisk.cache.keys import CacheQuery
-from brisk.cache.store import Entry, ResponseStore, open_store
+from brisk.cache.store import Entry, FailSafeStore, ResponseStore, open_store
 from brisk.config import ResponseCacheConfig
 
 SEMANTIC_CANDIDATES = 4  # nearest entries checked per semantic lookup
@@ -48,6 +50,7 @@ class CacheCounters:
     guard_rejections: int = 0  # candidates over the threshold that the guard refused
     stores: int = 0
     evictions: int = 0  # entries dropped by TTL or the size cap, in this process's puts
+    errors: int = 0  # store calls that failed (answered as misses, unstored answers or unknown figures)
     hit_seconds: dict[str, deque] = field(default_factory=lambda: {k: deque(maxlen=LATENCY_WINDOW)
                                                                    for k in ("exact", "semantic")})
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -60,8 +63,9 @@ class CacheCounters:
 class ResponseCache:
     def __init__(self, store: ResponseStore, ttl_seconds: float, guard: Callable[[str, str], str | None] = disagreement,
                  clock: Callable[[], float] = time.time):
-        self.store, self.ttl_seconds, self.guard, self.clock = store, ttl_seconds, guard, clock
+        self.ttl_seconds, self.guard, self.clock = ttl_seconds, guard, clock
         self.counters = CacheCounters()
+        self.store = FailSafeStore(store, lambda: self.counters.add("errors"))
 
     def lookup_by_meaning(self, query: CacheQuery, embed: Callable[[str], np.ndarray | None] | None
                           ) -> tuple[Hit | None, np.ndarray | None]:
@@ -95,13 +99,16 @@ class ResponseCache:
         return None
 
     def save(self, query: CacheQuery, vector: np.ndarray | None, response: dict) -> None:
-        """Stores a response; durable when this returns (the stores commit before returning)."""
+        """Stores a response; durable when this returns (the stores commit before returning),
+        unless the store failed."""
         now = self.clock()
         entry = Entry(key=query.key, namespace=query.namespace, tenant=query.tenant, text=query.text,
                       response=json.dumps(response, ensure_ascii=False).encode(), created=now,
                       expires=now + self.ttl_seconds, vector=vector)
-        self.counters.add("evictions", self.store.put(entry, now))
-        self.counters.add("stores")
+        evicted = self.store.put(entry, now)
+        if evicted is not None:  # None: the store failed, and counted it
+            self.counters.add("evictions", evicted)
+            self.counters.add("stores")
 
     def served(self, hit: Hit, seconds: float) -> None:
         """A hit was served, `seconds` after its lookup began: it moves to the front of the LRU order."""

@@ -8,18 +8,26 @@ trade. Writes take the lock up front (BEGIN IMMEDIATE) and wait up to 10 s for i
 server processes can share one file; within a process they share one connection under a lock.
 Reads go through a connection per thread and take no lock: in WAL mode a reader never waits
 for a writer, so an exact lookup is quick enough to run on the server's event loop.
+
+A file that fails SQLite's quick check when a store opens it (a disk error, garbage written
+over it) is moved aside, with its WAL and shared memory, as PATH.damaged-<UTC time>, and a fresh
+one made: a damaged cache costs its entries, not the server's start. Damage done while the
+server runs costs misses (store.FailSafeStore) until the next start.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import threading
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, suppress
 
 import apsw
 import numpy as np
 
-from brisk.cache.store import EXPIRED_PER_PUT, Entry, ResponseStore, StoreStats
+from brisk.cache.store import EXPIRED_PER_PUT, GARBAGE, Entry, ResponseStore, StoreStats
 from brisk.cache.vectors import VectorIndex, connect
 from brisk.config import ConfigError
 
@@ -35,10 +43,14 @@ CREATE INDEX IF NOT EXISTS entries_expires ON entries(expires);
 CREATE INDEX IF NOT EXISTS entries_tenant ON entries(tenant);
 """
 _COLUMNS = "id, key, namespace, tenant, text, response, created, expires"
+DAMAGED = (apsw.CorruptError, apsw.NotADBError)  # what opening a damaged file raises (others: not damage)
+
+logger = logging.getLogger("brisk.cache")
 
 
 class SQLiteStore(ResponseStore):
     local = True
+    failures = (apsw.Error, *GARBAGE)  # garbage: rows of a damaged page that SQLite still reads
 
     def __init__(self, path: str, max_entries: int, dimensions: int | None):
         self.path, self.max_entries = os.path.expanduser(path), max_entries
@@ -46,22 +58,41 @@ class SQLiteStore(ResponseStore):
         try:  # fail at start, naming the file, not at the first request
             if os.path.dirname(self.path):
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self._db = self._connect()
-            self._db.execute("PRAGMA journal_mode=WAL")
+            with _exclusive(self.path + ".lock"):
+                self._db = self._open_checked()
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.execute("PRAGMA journal_mode=WAL")
+                with self._write():
+                    self._db.execute(_SCHEMA)
+                    # one index per vector width: servers with different embedders can share the file
+                    self.vectors = VectorIndex(self._db, dimensions, f"vectors{dimensions}") if dimensions else None
         except (OSError, apsw.Error) as e:
             raise ConfigError(f"the response cache cannot use {self.path}: {e}") from None
-        with self._write():
-            self._db.execute(_SCHEMA)
-            # one index per vector width: servers with different embedders can share the file
-            self.vectors = VectorIndex(self._db, dimensions, f"vectors{dimensions}") if dimensions else None
         self._local = threading.local()
         self._readers: list = []  # every thread's read connection, to close them all
 
-    def _connect(self):
+    def __str__(self) -> str:
+        return self.path
+
+    def _connect(self) -> apsw.Connection:
         connection = connect(self.path)
         connection.set_busy_timeout(10_000)
-        connection.execute("PRAGMA synchronous=NORMAL")
         return connection
+
+    def _open_checked(self) -> apsw.Connection:
+        """A connection to a file that passes SQLite's quick check: a damaged one is moved aside
+        (_move_aside) and a fresh one made in its place."""
+        db = self._connect()
+        try:
+            problems = [problem for problem, in db.execute("PRAGMA quick_check") if problem != "ok"]
+        except DAMAGED as e:
+            problems = [str(e)]
+        if not problems:
+            return db
+        db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)  # close without writing the WAL into the file
+        db.close()
+        _move_aside(self.path, problems)
+        return self._connect()
 
     def _reader(self) -> tuple:
         """This thread's read connection, and its view of the vector index."""
@@ -148,6 +179,27 @@ class SQLiteStore(ResponseStore):
             for connection in self._readers:
                 connection.close()
             self._db.close()
+
+
+@contextmanager
+def _exclusive(path: str):
+    """An exclusive lock on the side file `path` while a store checks and prepares its file:
+    server processes sharing the file, started together, take turns, so none moves aside the
+    fresh file another has just made, nor checks a file another is moving."""
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
+def _move_aside(path: str, problems: list[str]) -> None:
+    """Renames the damaged database to PATH.damaged-<UTC time>, and its -wal and -shm files to
+    that name with the same suffixes, so SQLite still opens the three together for a look."""
+    aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    for suffix in ("", "-wal", "-shm"):
+        with suppress(FileNotFoundError):  # a file closed cleanly has no WAL
+            os.rename(path + suffix, aside + suffix)
+    logger.warning("the response cache %s failed its integrity check (%s): moved it aside to %s and starting afresh",
+                   path, "; ".join(problems[:3]), aside)
 
 
 def _entry(row: tuple) -> Entry:

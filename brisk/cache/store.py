@@ -9,12 +9,20 @@ search never even sees another tenant's entries. It enforces TTL and the size ca
 counts what it evicts. Stores are synchronous and thread-safe. The server calls a `local`
 store's `get` on its event loop (a read of a file on this machine) and everything else from
 worker threads.
+
+A store that fails (a damaged file, a Redis that is down or answers garbage) costs misses, not
+requests: ResponseCache reaches its store only through FailSafeStore, the one place where
+failures are caught, counted and logged.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -39,17 +47,25 @@ class Entry:
 
 @dataclass(frozen=True)
 class StoreStats:
-    entries: int
-    bytes: int
+    entries: int | None  # None: the store could not say (FailSafeStore); never a made-up 0
+    bytes: int | None
 
 
 EXPIRED_PER_PUT = 256  # expired entries dropped per put, so one put never stalls on a backlog
+# What decoding a reply that is not what brisk wrote raises (a missing field, a number that is
+# not one, bytes that are not UTF-8): a store's failure, like its backend's own errors.
+GARBAGE = (KeyError, ValueError, TypeError, IndexError)
+REMIND_SECONDS = 60.0  # a failing store is logged at most this often, not at every call
+
+logger = logging.getLogger("brisk.cache")
+T = TypeVar("T")
 
 
 class ResponseStore(ABC):
     """Entries by exact key or by nearest vector, with TTL and an LRU size cap."""
 
     local: bool  # reads are local file reads (quick, never waiting on a network)
+    failures: tuple[type[Exception], ...]  # what it raises when what holds the entries fails, not the caller
 
     @abstractmethod
     def get(self, key: str, now: float) -> Entry | None:
@@ -77,6 +93,69 @@ class ResponseStore(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+class FailSafeStore:
+    """A store's calls, its failures answered, not raised: a call that fails with one of the
+    store's `failures` is counted (`on_failure`), logged (_FailureLog: not once per call), and
+    answered as a miss (get, nearest), as nothing done (touch; put returns None: not stored;
+    clear removed nothing) or as figures unknown (stats). The next call tries the store again,
+    so one that recovers (a Redis back up: redis-py reconnects by itself) is used at once."""
+
+    def __init__(self, store: ResponseStore, on_failure: Callable[[], None]):
+        self.store, self.on_failure = store, on_failure
+        self.local = store.local
+        self._log = _FailureLog(str(store))
+
+    def _call(self, fallback: T, method: Callable[..., T], *args) -> T:
+        try:
+            return method(*args)
+        except self.store.failures as e:
+            self.on_failure()
+            self._log.failed(method.__name__, e)
+            return fallback
+
+    def get(self, key: str, now: float) -> Entry | None:
+        return self._call(None, self.store.get, key, now)
+
+    def nearest(self, namespace: str, vector: np.ndarray, k: int, now: float) -> list[tuple[Entry, float]]:
+        return self._call([], self.store.nearest, namespace, vector, k, now)
+
+    def touch(self, key: str, now: float) -> None:
+        self._call(None, self.store.touch, key, now)
+
+    def put(self, entry: Entry, now: float) -> int | None:
+        """How many were evicted; None when the entry was not stored."""
+        return self._call(None, self.store.put, entry, now)
+
+    def clear(self, tenant: str | None = None) -> int:
+        return self._call(0, self.store.clear, tenant)
+
+    def stats(self) -> StoreStats:
+        return self._call(StoreStats(entries=None, bytes=None), self.store.stats)
+
+    def close(self) -> None:
+        self._call(None, self.store.close)
+
+
+class _FailureLog:
+    """Logs a store's failures at most once per REMIND_SECONDS, not once per call: a flood would
+    hide everything else in the log, and a store that fails does so for every request."""
+
+    def __init__(self, store: str):
+        self.store, self.unlogged, self.logged_at = store, 0, -REMIND_SECONDS
+        self.lock = threading.Lock()
+
+    def failed(self, call: str, error: Exception) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if now - self.logged_at < REMIND_SECONDS:
+                self.unlogged += 1
+                return
+            unlogged, self.unlogged, self.logged_at = self.unlogged, 0, now
+        logger.error("the response cache's store %s failed (%s); answered without it (%d other failures since the last "
+                     "of these lines, which come at most every %.0f s)", self.store, call, unlogged, REMIND_SECONDS,
+                     exc_info=error)
 
 
 def open_store(url: str, max_entries: int, dimensions: int | None) -> ResponseStore:
