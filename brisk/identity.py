@@ -5,7 +5,9 @@ same settings and the same code) and `brisk optimize` (a measurement is reused o
 same model, code and host). Both hash contents, never names, sizes or modification times: a
 fine-tune saved over the same file name, a same-sized weight file copied in with its old
 mtime, or an edit to a kernel under the static version string 0.1.0 must each count as a
-different model or a different brisk.
+different model or a different brisk. brisk's version joins its sources: an install whose
+sources are not all there to hash (bytecode only, a build's compiled parts) still counts as
+another brisk after an upgrade, which may change the numbers and so the answers.
 
 A leaf: it imports nothing of brisk, so every room may use it.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from functools import cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 _PACKAGE = Path(__file__).parent
@@ -38,11 +41,24 @@ def content_digest(path: str) -> str:
     return digest.hexdigest()
 
 
+def brisk_version() -> str:
+    """brisk's version from its package metadata; "unknown" for a tree that was never installed."""
+    try:
+        return version("brisk")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 @cache
 def source_digest() -> str:
-    """SHA-256 over brisk's own sources as installed (an editable checkout's working tree, so
-    uncommitted changes count): the identity of the code that produced a figure."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in _PACKAGE.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
-        digest.update(file.relative_to(_PACKAGE).as_posix().encode() + b"\0" + file.read_bytes())
+    """The identity of the code that produced a figure: brisk's version and its sources as
+    installed (an editable checkout's working tree, so uncommitted changes count)."""
+    return code_digest(brisk_version(), _PACKAGE)
+
+
+def code_digest(version: str, package: Path) -> str:
+    """SHA-256 over `version` and the source files under `package`, by path and bytes."""
+    digest = hashlib.sha256(f"brisk {version}\0".encode())
+    for file in sorted(p for p in package.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
+        digest.update(file.relative_to(package).as_posix().encode() + b"\0" + file.read_bytes())
     return digest.hexdigest()

@@ -14,31 +14,25 @@ whole conversation would compare only its start; hashing the earlier turns into 
 and embedding only the last message makes a semantic hit mean "same conversation so far, same
 question now". The tenant is in both hashes, so no lookup can reach another tenant's entries,
 whatever the similarity.
+
+Nothing is normalized on the way to a key (no NFC, no case, no whitespace): the model reads
+the text as the tokenizer splits it, and "é" written as one code point and as "e" plus an accent
+are different tokens, so they may be different answers. Two spellings that one tokenizer would
+read alike only cost a miss.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import unicodedata
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 
 def canonical(value: Any) -> str:
-    """JSON with sorted keys, no spaces and NFC-normalized strings: equal requests, equal text."""
-    return json.dumps(_nfc(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def _nfc(value: Any) -> Any:
-    if isinstance(value, str):
-        return unicodedata.normalize("NFC", value)
-    if isinstance(value, dict):
-        return {k: _nfc(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_nfc(v) for v in value]
-    return value
+    """JSON with sorted keys and no spaces, strings as sent: equal requests, equal text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def _digest(*parts: str) -> str:
@@ -56,7 +50,7 @@ class CacheQuery:
 
     @cached_property
     def key(self) -> str:
-        return _digest(self.tenant, self.scope, unicodedata.normalize("NFC", self.text))
+        return _digest(self.tenant, self.scope, self.text)
 
     @cached_property
     def namespace(self) -> str:

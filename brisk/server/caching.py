@@ -8,9 +8,12 @@ right after (SIGKILL), unless the store failed (that is logged, and the client s
 answer).
 
 Who may be served from the cache:
-  - deterministic requests (temperature 0, top_k 1 or a seed), or any request with "cache": true;
+  - deterministic requests (a temperature the sampler runs greedy, top_k 1 or a seed), or any
+    request with "cache": true;
   - not with "cache": false or `Cache-Control: no-store` (neither read nor stored), and not read
     with `Cache-Control: no-cache` (the fresh answer replaces the cached one).
+Requests that ask about their own tokens (logprobs, top_logprobs, echo, prompt_logprobs) match
+exactly or not at all: an answer stored for another wording holds that wording's tokens.
 The response header X-Brisk-Cache says what happened: exact, semantic (with
 X-Brisk-Cache-Similarity), miss, or bypass.
 """
@@ -32,6 +35,7 @@ from brisk.config import ResponseCacheConfig
 from brisk.embed.embedder import Embedder
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import percentiles
+from brisk.sampling_params import GREEDY_TEMPERATURE
 from brisk.server.middleware import DEFAULT_TENANT, Caller
 from brisk.server.protocol import SamplingFields
 
@@ -43,6 +47,8 @@ SIMILARITY_HEADER = "X-Brisk-Cache-Similarity"
 # cached answer is re-streamed), or that are the cache's own controls.
 NOT_IN_KEY = frozenset({"model", "stream", "stream_options", "user", "metadata", "store", "service_tier", "cache",
                         "cache_similarity_threshold"})
+# Request fields that ask about the request's own tokens: set, they make it exact-only.
+TOKEN_FIELDS = ("logprobs", "top_logprobs", "echo", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -112,17 +118,25 @@ def model_scope(served_name: str, identity: str) -> dict[str, str]:
 def cache_query(model: dict[str, str], tenant: str, request: Cacheable, threshold: float,
                 space: str = "") -> CacheQuery:
     """The query `request` is looked up and stored under (threshold: the server's default;
-    space: the embedder's identity)."""
-    return CacheQuery(tenant=tenant, scope=canonical([model, request.route, request.params, request.context]),
-                      text=request.text, semantic=request.semantic, threshold=request.threshold or threshold,
-                      space=space)
+    space: the embedder's identity). Its params are keyed as the sampler runs them (a greedy
+    temperature as 0), and a request about its own tokens is matched exactly only."""
+    params = request.params
+    if greedy(params.get("temperature")):
+        params = {**params, "temperature": 0.0}
+    about_tokens = any(params.get(name) is not None and params.get(name) is not False  # logprobs 0 asks too
+                       for name in TOKEN_FIELDS)
+    return CacheQuery(tenant=tenant, scope=canonical([model, request.route, params, request.context]),
+                      text=request.text, semantic=request.semantic and not about_tokens,
+                      threshold=request.threshold or threshold, space=space)
 
 
 class ResponseCaching:
     """The cache, the scope every key shares (model_scope), and the embedder for semantic lookups."""
 
     def __init__(self, cache: ResponseCache, config: ResponseCacheConfig, model: dict[str, Any],
-                 embedder: Embedder | None, on_hit: Callable[[str, float], None] = lambda kind, seconds: None):
+                 embedder: Embedder | None,
+                 on_hit: Callable[[str, float, str], None] = lambda kind, seconds, tenant: None):
+        """on_hit(kind, seconds, tenant): each hit, for the metrics."""
         self.cache, self.config, self.model, self.on_hit = cache, config, model, on_hit
         self.embedder = embedder if config.cache_semantic else None
         self.space = self.embedder.identity if self.embedder is not None else ""
@@ -133,8 +147,8 @@ class ResponseCaching:
         if request is None or request.opt is False or "no-store" in no_cache \
                 or not (request.deterministic or request.opt):
             return BYPASS
-        query = cache_query(self.model, caller(http).tenant, request, self.config.cache_similarity_threshold,
-                            self.space)
+        tenant = caller(http).tenant
+        query = cache_query(self.model, tenant, request, self.config.cache_similarity_threshold, self.space)
         try:
             hit, vector = await self._find(query, read="no-cache" not in no_cache)
         except Exception:  # noqa: BLE001 - a store or embedder that fails costs a model run, not the request
@@ -143,7 +157,7 @@ class ResponseCaching:
         if hit is None:
             return CacheLookup("miss", query=query, vector=vector, save_to=self)
         seconds = time.perf_counter() - start
-        self.on_hit(hit.kind, seconds)
+        self.on_hit(hit.kind, seconds, tenant)
         asyncio.get_running_loop().run_in_executor(None, self._served, hit, seconds)  # the LRU write, off the path
         return CacheLookup(hit.kind, hit=hit, query=query)
 
@@ -189,6 +203,7 @@ class ResponseCaching:
                 "hits": {"exact": c.exact_hits, "semantic": c.semantic_hits},
                 "misses": {"exact": c.exact_misses, "semantic": c.semantic_misses},
                 "guard_rejections": c.guard_rejections, "stores": c.stores, "evictions": c.evictions,
+                "errors": c.errors,
                 "hit_latency_ms": {kind: _percentiles(samples) for kind, samples in c.hit_seconds.items()}}
 
     async def close(self) -> None:
@@ -202,8 +217,14 @@ def _percentiles(seconds) -> dict[str, float | None]:
     return {"p50": round(p50 * 1000, 3), "p99": round(p99 * 1000, 3), "count": len(seconds)}
 
 
+def greedy(temperature: float | None) -> bool:
+    """Whether the sampler runs `temperature` greedy: SamplingParams turns one under
+    GREEDY_TEMPERATURE into 0 (a negative one is refused there, never served from here)."""
+    return temperature is not None and 0.0 <= temperature < GREEDY_TEMPERATURE
+
+
 def deterministic(body: SamplingFields) -> bool:
-    return body.temperature == 0 or body.top_k == 1 or body.seed is not None
+    return greedy(body.temperature) or body.top_k == 1 or body.seed is not None
 
 
 def fields(body: SamplingFields, *exclude: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Semantic matching on real sentences with the real embedder: the committed look-alike set
-(same words, another meaning) never hits, the paraphrase set mostly does; and the guard's
-checks one by one."""
+"""Semantic matching on real sentences with the real embedder: the committed look-alike sets
+(same words, another meaning; and text the embedder cannot see) never hit, the paraphrase sets
+mostly do; and the guard's checks one by one (what the embedder cannot see: test_lookalikes.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def hits(embedder, tmp_path, name: str, threshold: float = 0.95) -> list[bool]:
     return [h is not None for h in found]
 
 
-@pytest.mark.parametrize("name", ["lookalike", "heldout_lookalike"])
+@pytest.mark.parametrize("name", ["lookalike", "heldout_lookalike", "surface_lookalike"])
 def test_no_lookalike_is_a_hit(real_embedder, tmp_path, name):
     data = pairs(name)
     assert len(data) >= 30
@@ -42,10 +42,11 @@ def test_most_paraphrases_hit(real_embedder, tmp_path, name):
     assert sum(found) / len(found) >= 0.6
 
 
-def test_the_threshold_alone_lets_lookalikes_through(real_embedder, tmp_path):
+@pytest.mark.parametrize("name", ["lookalike", "surface_lookalike"])
+def test_the_threshold_alone_lets_lookalikes_through(real_embedder, tmp_path, name):
     """Why the guard exists: without it, the same cache serves look-alikes."""
-    cache_hits = hits(real_embedder, tmp_path, "lookalike", threshold=0.95)
-    data = pairs("lookalike")
+    cache_hits = hits(real_embedder, tmp_path, name, threshold=0.95)
+    data = pairs(name)
     a = real_embedder.encode(real_embedder.tokenize([p["a"] for p in data]))
     b = real_embedder.encode(real_embedder.tokenize([p["b"] for p in data]))
     over_threshold = int(((a * b).sum(-1) >= 0.95).sum())
