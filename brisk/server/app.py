@@ -107,7 +107,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
                        open_paths=OPEN_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     serving = Serving(engine, config, model_names, api_keys.limits)
-    metrics.watch_tenants(serving.tenants.usage, {DEFAULT_TENANT, *api_keys.limits})
+    named_tenants = {DEFAULT_TENANT, *api_keys.limits}
+    metrics.watch_tenants(lambda: serving.tenants.usage(named_tenants))
     app.include_router(openai_router(serving, embeddings, caching))
     if embeddings is not None:
         app.include_router(embedding_router(embeddings))
@@ -128,14 +129,16 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
 
     @app.get("/metrics.json")
     async def live_metrics() -> dict:
-        """The dashboard's figures: the last minute per second, and the response cache's counts."""
+        """The dashboard's figures: the last minute per second, the response cache's counts, and
+        each tenant's (named as /metrics names them)."""
         responses = {"enabled": False}
         if caching is not None:
             try:
                 responses = await asyncio.to_thread(caching.stats)
             except Exception:  # noqa: BLE001 - a store that cannot answer leaves its figures out
                 responses = {"enabled": True, "error": "the response cache's figures could not be read"}
-        return {"model": model_names[0], **live.snapshot(), "response_cache": responses}
+        return {"model": model_names[0], **live.snapshot(), "response_cache": responses,
+                "tenants": serving.tenants.usage(named_tenants)}
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:

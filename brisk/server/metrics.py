@@ -118,11 +118,9 @@ class PrometheusStatLogger:
         self.registry.register(Collector())
         return lambda kind, seconds: hit_seconds.labels(**labels, kind=kind).observe(seconds)
 
-    def watch_tenants(self, usage: Callable[[], dict[str, dict[str, int]]], named: set[str]) -> None:
+    def watch_tenants(self, usage: Callable[[], dict[str, dict[str, int]]]) -> None:
         """Exposes each tenant's counts at each scrape (`usage`: TenantLedger.usage, tenant ->
-        requests, prompt_tokens, generation_tokens, response_cache_hits), labelled by tenant for
-        the tenants in `named` (the keys file's, and `default`), the rest summed under `other`,
-        so a client naming tenants in X-Tenant cannot grow the label set."""
+        requests, prompt_tokens, generation_tokens, response_cache_hits; its tenants a bounded set)."""
         labels = self._labels
         docs = {"requests": "Generation requests accepted (one per prompt), by tenant.",
                 "prompt_tokens": "Prompt tokens of accepted requests (each sequence counted), by tenant.",
@@ -131,15 +129,11 @@ class PrometheusStatLogger:
 
         class Collector:
             def collect(self):
-                folded: dict[str, dict[str, int]] = {}
-                for tenant, counts in usage().items():
-                    into = folded.setdefault(tenant if tenant in named else "other", dict.fromkeys(docs, 0))
-                    for name in docs:
-                        into[name] += counts.get(name, 0)
+                counts = usage()
                 for name, doc in docs.items():
                     family = CounterMetricFamily(f"brisk:tenant_{name}", doc, labels=[*labels, "tenant"])
-                    for tenant, counts in sorted(folded.items()):
-                        family.add_metric([*labels.values(), tenant], counts[name])
+                    for tenant, of_tenant in counts.items():
+                        family.add_metric([*labels.values(), tenant], of_tenant[name])
                     yield family
 
         self.registry.register(Collector())

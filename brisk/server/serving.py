@@ -4,9 +4,12 @@ server-sent events).
 
 Admission counts sequences and prompt tokens, not requests: one request with n=128 is 128
 sequences of work. A request that could never fit the waiting queue gets 400; one that does not
-fit now gets 429 with Retry-After. So does one past its tenant's own limits (the API keys file's
-max_concurrent and max_queued_tokens: sequences and prompt tokens the tenant has in flight,
-accepted and not finished), which each tenant's streams give back as they end (TenantLedger).
+fit now gets 429 with Retry-After, unless its tenant is within its share of the server (the
+batch's seats and the queue, by the tenants' weights: TenantLedger.below_share), so a tenant's
+flood fills the queue against itself, not the others. A request past its tenant's own limits
+(the API keys file's max_concurrent and max_queued_tokens: sequences and prompt tokens the
+tenant has in flight, accepted and not finished) gets 429 too. Each tenant's streams give their
+load back as they end (TenantLedger).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ logger = logging.getLogger("brisk.server")
 
 Streams = list[AsyncIterator[RequestOutput]]
 BUSY_LINGER_SECONDS = 1.0
+USAGE = ("requests", "prompt_tokens", "generation_tokens", "response_cache_hits")  # TenantLedger.usage's counts
+OTHER_TENANTS = "other"
 
 
 class TenantLedger:
@@ -47,10 +52,15 @@ class TenantLedger:
         self._last_release = -BUSY_LINGER_SECONDS
         self._usage: dict[str, Counter[str]] = {}  # tenant -> requests, prompt_tokens, generation_tokens, ...
 
-    def usage(self) -> dict[str, dict[str, int]]:
+    def usage(self, named: set[str]) -> dict[str, dict[str, int]]:
         """Per tenant: requests accepted, their prompt tokens (each sequence counted), tokens
-        generated, responses served from the response cache."""
-        return {tenant: dict(counts) for tenant, counts in self._usage.items()}
+        generated, responses served from the response cache. Tenants not in `named` (the keys
+        file's and the default) are summed under `other`: a client naming tenants in X-Tenant
+        cannot grow a metric's labels or the dashboard's table."""
+        folded: dict[str, Counter[str]] = {}
+        for tenant, counts in self._usage.items():
+            folded.setdefault(tenant if tenant in named else OTHER_TENANTS, Counter()).update(counts)
+        return {tenant: {name: counts[name] for name in USAGE} for tenant, counts in sorted(folded.items())}
 
     def count(self, tenant: str, **counts: int) -> None:
         self._usage.setdefault(tenant, Counter()).update(counts)
@@ -62,6 +72,20 @@ class TenantLedger:
         full embedding batch started in that gap would hold the cores when it arrives)."""
         return any(load.num_seqs for load in self.in_flight.values()) or \
             time.monotonic() - self._last_release < BUSY_LINGER_SECONDS
+
+    def below_share(self, tenant: str, num_seqs: int, capacity: int) -> bool:
+        """Whether `tenant`, with `num_seqs` more, stays within its share of `capacity` sequences
+        (the batch's seats and the waiting queue): its weight over the weights of the tenants with
+        work. A full waiting queue refuses only the tenants past their share, so one tenant's
+        flood cannot fill it against the others (they may take it past its bound by their shares
+        at most). False while no other tenant has work: the queue's bound is then the one rule."""
+        active = {t for t, load in self.in_flight.items() if load.num_seqs} | {tenant}
+        if len(active) == 1:
+            return False
+        weight = self.limits.get(tenant, TenantLimits()).weight
+        share = capacity * weight / sum(self.limits.get(t, TenantLimits()).weight for t in active)
+        held = self.in_flight.get(tenant, QueueLoad(0, 0)).num_seqs
+        return held + num_seqs <= share
 
     def check(self, tenant: str, load: QueueLoad) -> None:
         """429 with Retry-After when `load` more would take the tenant past its limits."""
@@ -137,6 +161,7 @@ class Serving:
         self.created = int(time.time())  # when the model came to be served: `created` of /v1/models
         info = engine.model_info
         self.max_model_len = info.max_model_len
+        self.max_num_seqs = info.max_num_seqs
         self.max_waiting_seqs = config.max_waiting_seqs or 8 * info.max_num_seqs
         self.max_waiting_tokens = config.max_waiting_tokens or 32 * info.max_model_len
 
@@ -213,7 +238,8 @@ class Serving:
                            code="request_too_large")
         self.tenants.check(tenant, QueueLoad(num_seqs, num_tokens))
         load = self.engine.queue_load()
-        if load.num_seqs + num_seqs > self.max_waiting_seqs or load.num_tokens + num_tokens > self.max_waiting_tokens:
+        full = load.num_seqs + num_seqs > self.max_waiting_seqs or load.num_tokens + num_tokens > self.max_waiting_tokens
+        if full and not self.tenants.below_share(tenant, num_seqs, self.max_num_seqs + self.max_waiting_seqs):
             raise APIError(429, f"The server is busy: {load.num_seqs} sequences with {load.num_tokens} prompt tokens "
                                 f"are already waiting.", type="rate_limit_exceeded", headers={"Retry-After": "1"})
 

@@ -78,7 +78,7 @@ def test_metrics_json_and_the_page_are_served_without_a_key(tiny_engine):
         assert "metrics.json" in page.text
         assert "http://" not in page.text and "https://" not in page.text  # it fetches nothing from elsewhere
         data = httpx.get(f"{url}/metrics.json").json()
-        assert data["model"] == "tiny" and data["response_cache"] == {"enabled": False}
+        assert data["model"] == "tiny" and data["response_cache"] == {"enabled": False} and data["tenants"] == {}
         assert len(data["series"]["t"]) == WINDOW and set(data["now"]) == {"running", "waiting", "kv_cache_usage",
                                                                             "prefix_cache_hit_rate"}
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the rest still needs the key
@@ -108,6 +108,10 @@ def test_the_dashboard_moves_in_a_real_browser_while_a_load_runs(tiny_url, tmp_p
         # the page counts every token of the load once the seconds it ran are whole
         _wait(lambda: driver.execute_script(tokens) == 80 * 48, "every token on the page")
         assert driver.find_element("id", "status").get_attribute("class") != "down"
+        # the tenants' table: keyless requests are the default tenant's, all 80 of them
+        rows = "return [...document.querySelectorAll('#tenants tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
+        expected = [["default", "80", str(sum(r.prompt_tokens for r in reports[0].records)), str(80 * 48), "0"]]
+        _wait(lambda: driver.execute_script(rows) == expected, f"the tenants' table to read {expected}")
         driver.save_screenshot(str(tmp_path / "dashboard.png"))
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -89,8 +90,7 @@ def _flood_then_two(url: str) -> Tape:
     sends two short ones."""
     tape = Tape()
     flood = [tape.stream(url, "ka", f"alpha{i}", FLOOD_TOKENS) for i in range(FLOOD)]
-    while sum(tape.count(f"alpha{i}") for i in range(FLOOD)) < 3 * SEATS:  # the batch is full and decoding
-        threading.Event().wait(0.01)
+    _until(lambda: sum(tape.count(f"alpha{i}") for i in range(FLOOD)) >= 3 * SEATS, "the batch full and decoding")
     beta = [tape.stream(url, "kb", f"beta{i}", 8) for i in range(2)]
     for thread in itertools.chain(beta, flood):
         thread.join(timeout=600)
@@ -136,8 +136,7 @@ def test_a_tenant_past_its_limit_gets_429_with_retry_after(server):
     url = server()
     tape = Tape()
     held = [tape.stream(url, "kb", f"beta{i}", 120) for i in range(3)]
-    while sum(tape.count(f"beta{i}") for i in range(3)) < 3:
-        threading.Event().wait(0.01)
+    _until(lambda: sum(tape.count(f"beta{i}") for i in range(3)) >= 3, "beta's streams to run")
     body = {"prompt": "w3", "max_tokens": 2}
     refused = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer kb"}, timeout=60)
     assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
@@ -158,8 +157,7 @@ def test_priorities_reorder_the_queue(server):
     url = server("--scheduling-policy", "priority", "--max-num-seqs", "1")
     tape = Tape()
     first = tape.stream(url, "ka", "running", 400)
-    while not tape.count("running"):
-        threading.Event().wait(0.01)
+    _until(lambda: tape.count("running"), "the first request to run")
     later = tape.stream(url, "ka", "later", 4, priority=5)
     _wait_for_waiting(url, 1)  # queued behind the running one before the next arrives
     sooner = tape.stream(url, "ka", "sooner", 4, priority=1)
@@ -175,5 +173,31 @@ def test_priorities_reorder_the_queue(server):
 
 
 def _wait_for_waiting(url: str, n: int) -> None:
-    while metric_values(httpx.get(f"{url}/metrics", timeout=60).text).get("brisk:num_requests_waiting", 0) < n:
+    _until(lambda: metric_values(httpx.get(f"{url}/metrics", timeout=60).text).get("brisk:num_requests_waiting", 0)
+           >= n, f"{n} requests waiting")
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 300  # a safety net against a hang, not a speed check
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         threading.Event().wait(0.01)
+
+
+def test_a_full_queue_refuses_the_flooding_tenant_not_the_other(server):
+    """The waiting queue holds 4: alpha's flood fills it, and alpha's next request is refused;
+    beta, with nothing in flight, is within its share of the server and is served."""
+    url = server("--max-waiting-seqs", "4")
+    tape = Tape()
+    flood = [tape.stream(url, "ka", f"alpha{i}", FLOOD_TOKENS) for i in range(SEATS)]
+    _until(lambda: sum(tape.count(f"alpha{i}") for i in range(SEATS)) >= SEATS, "alpha seated, not waiting")
+    flood += [tape.stream(url, "ka", f"alpha{i}", FLOOD_TOKENS) for i in range(SEATS, SEATS + 4)]
+    _wait_for_waiting(url, 4)
+    body = {"prompt": "w3", "max_tokens": 2}
+    refused = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer ka"}, timeout=60)
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    served = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer kb"}, timeout=300)
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+    for thread in flood:
+        thread.join(timeout=600)
+    assert {tape.finished(f"alpha{i}") for i in range(SEATS + 4)} == {"length"}
