@@ -143,6 +143,8 @@ def summary(steady: LoadReport, flood: LoadReport, flood_rate: float) -> str:
     waits = "no steady request completed" if ttft is None else (
         f"steady TTFT p50 {ttft.p50 / 1000:.2f} s, p99 {ttft.p99 / 1000:.2f} s")
     # the two loads run in one process at once: each one's CPU figure is the whole process's
+    failures = "; ".join(e for e in steady.errors)  # the first few distinct ones
+    waits += f" [steady failures: {failures}]" if failures else ""
     return (f"{waits} ({steady.completed} of {steady.num_requests} completed); flood at {flood_rate:.2f} req/s: "
             f"{flood.completed} completed, {refused(flood)} refused (429), {flood.output_throughput:.0f} output tok/s; "
             f"load generator {max(steady.client_cpu_s, flood.client_cpu_s):.0f} CPU s over "
