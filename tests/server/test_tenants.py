@@ -154,15 +154,17 @@ def test_a_tenant_past_its_limit_gets_429_with_retry_after(server):
 def test_priorities_reorder_the_queue(server):
     """--scheduling-policy priority, one seat: behind a running request, the waiting request
     with the lower priority value runs first, whatever the order they came in."""
-    url = server("--scheduling-policy", "priority", "--max-num-seqs", "1")
+    # a first request long enough (3,000 steps) that both others queue behind it on a loaded host
+    url = server("--scheduling-policy", "priority", "--max-num-seqs", "1", "--max-model-len", "4096",
+                 "--num-kv-blocks", "2048")
     tape = Tape()
-    first = tape.stream(url, "ka", "running", 400)
+    first = tape.stream(url, "ka", "running", 3000)
     _until(lambda: tape.count("running"), "the first request to run")
     later = tape.stream(url, "ka", "later", 4, priority=5)
     _wait_for_waiting(url, 1)  # queued behind the running one before the next arrives
     sooner = tape.stream(url, "ka", "sooner", 4, priority=1)
     _wait_for_waiting(url, 2)
-    assert tape.count("running") < 400  # both queued while the first still ran
+    assert tape.count("running") < 3000  # both queued while the first still ran
     for thread in (first, later, sooner):
         thread.join(timeout=600)
     order = [name for name, what in tape.events if what == "token"]
