@@ -111,7 +111,6 @@ def main(args) -> None:
     print(machine())
     engine_flags = config_flags(replace(engine_config_from_args(args), scheduling_policy="auto"))
     flood_rate = None
-    results = {}
     with tempfile.TemporaryDirectory() as folder:
         keys = os.path.join(folder, "keys")
         with open(keys, "w") as f:
@@ -125,13 +124,11 @@ def main(args) -> None:
                 if flood_rate is None:
                     flood_rate = args.flood_factor * saturated_rate(url, args)
                 steady, flood = asyncio.run(two_tenants(url, flood_rate, args))
-            results[policy] = (steady, flood)
             print(f"{policy}: {summary(steady, flood, flood_rate)}", flush=True)
         if args.embedding_clients:
             server = ServerConfig(port=free_port(), log_level="warning", api_keys_file=keys)
             with brisk_serve([*engine_flags, *config_flags(server)], server, args.startup_timeout) as url:
                 print(asyncio.run(embedding_flood(url, args)), flush=True)
-    return results
 
 
 def refused(report: LoadReport) -> int:
