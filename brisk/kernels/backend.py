@@ -146,6 +146,11 @@ class KernelBackend:
         bias = None if layer.bias is None else layer.bias.to(x.dtype)
         return F.linear(x, layer.qweight.dequantize().to(x.dtype), bias)
 
+    def weight_layout(self, weight, int8_activations: bool):
+        """The QuantizedTensor `weight` in the layout this backend's products read fastest (with
+        int8 activations if asked), which a layer then keeps in place of its own: here as it is."""
+        return weight
+
     def quantize_rows_int8(self, x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [m, k] float32 -> (codes int8 [m, k], scales [m, 1], outlier columns): the columns
         holding any |value| above `threshold` are outliers (their codes 0); each row is rounded to

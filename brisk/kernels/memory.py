@@ -61,8 +61,8 @@ def move_to_huge_pages(module: nn.Module) -> None:
     modules that cache pointers to their tensors drop them there. A tensor reached twice (tied
     weights) is copied once. The old storage is freed tensor by tensor as it is replaced, so the
     peak is the model plus its largest tensor, not two models."""
-    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()] if _moves(t)}
-    sizes = {key: _padded(t) for key, t in tensors.items()}
+    # sizes by id, not the tensors: a reference here would keep every old storage to the end
+    sizes = {id(t): _padded(t) for t in [*module.parameters(), *module.buffers()] if _moves(t)}
     arena = huge_page_buffer(sum(sizes.values()))
     placed: dict[int, torch.Tensor] = {}
     offset = 0

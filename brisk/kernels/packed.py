@@ -34,6 +34,11 @@ GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, 
                     "q6_k": 210}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # kept as the file's blocks: [rows, cols / 256 * block bytes]
 INT5_BLOCK_BYTES = 20  # an int5 block's codes: u32 of fifth bits, then 16 bytes of nibbles
+# int4x16: int4 with a scale per block, its rows interleaved in tiles of TILE_ROWS for the CPU's
+# integer products (kernels/quant.h, "int4 in tiles of 16 rows"): per tile and block, the 16 rows'
+# codes as 4 words of 4 bytes each, word-major, then their f16 scales and minimums.
+TILE_ROWS = 16
+TILE_BLOCK_BYTES = TILE_ROWS * (BLOCK // 2 + 4)
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class QuantizedTensor:
 
     format: str
     shape: tuple[int, int]
-    data: torch.Tensor  # [rows, bytes per row]: int8 codes (int8), uint8 otherwise
+    data: torch.Tensor  # [rows, bytes per row]: int8 codes (int8), uint8 otherwise (int4x16: [tiles, blocks * 320])
     scales: torch.Tensor | None = None  # float32 [rows] (int8, fp8), float16 [rows, groups] (int4, nf4)
     mins: torch.Tensor | None = None  # float16 [rows, groups]: int4's zero points, as the value of code 0
     group_size: int = BLOCK
@@ -54,6 +59,8 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The float32 [rows, cols] matrix this stands for."""
         rows, cols = self.shape
+        if self.format == "int4x16":
+            return untile_rows(self).dequantize()
         if self.format in ("q8_0", *K_QUANTS):
             blocks = self.data.reshape(-1, GGUF_BLOCK_BYTES[self.format])
             return _GGUF_BLOCKS[self.format](blocks).view(rows, -1)[:, :cols]
@@ -68,7 +75,9 @@ class QuantizedTensor:
         return codes.float() * scales + mins
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
-        """The rows `index` (a permutation, a lookup) in the same format."""
+        """The rows `index` (a permutation, a lookup) in the same format (int4x16's: int4)."""
+        if self.format == "int4x16":
+            return untile_rows(self, index)
         index = index.to(self.data.device)
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         return replace(self, shape=(len(index), self.shape[1]), data=pick(self.data), scales=pick(self.scales),
@@ -146,6 +155,43 @@ def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
             runs.append([part])
     joined = [QuantizedTensor.cat(run) for run in runs]
     return joined[0] if len(joined) == 1 else MixedTensor.of(joined)
+
+
+def tiles_rows(weight: QuantizedTensor) -> bool:
+    """Whether `weight` can be laid out as int4x16: int4 with a scale per block of 32, rows of
+    whole blocks."""
+    return weight.format == "int4" and weight.group_size == BLOCK and weight.shape[1] % BLOCK == 0
+
+
+def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
+    """int4 (tiles_rows) -> int4x16: the same bytes, rows interleaved by TILE_ROWS (the last tile
+    padded with zero rows)."""
+    if not tiles_rows(weight):
+        raise ValueError(f"only int4 with a scale per block of {BLOCK} and rows of whole blocks can be tiled, "
+                         f"not {weight.format} (group {weight.group_size}, {weight.shape[1]} columns)")
+    rows, cols = weight.shape
+    blocks, tiles = cols // BLOCK, -(-rows // TILE_ROWS)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE_ROWS - rows))  # noqa: E731
+    # [tiles, lanes, blocks, words, 4 bytes] -> [tiles, blocks, words, lanes, 4 bytes]
+    codes = pad(weight.data).view(tiles, TILE_ROWS, blocks, 4, 4).permute(0, 2, 3, 1, 4)
+    halves = [pad(t.view(torch.uint8)).view(tiles, TILE_ROWS, blocks, 2).transpose(1, 2)
+              for t in (weight.scales.to(torch.float16), weight.mins.to(torch.float16))]
+    data = torch.cat([codes.reshape(tiles, blocks, -1), *(h.reshape(tiles, blocks, -1) for h in halves)], dim=2)
+    return QuantizedTensor("int4x16", weight.shape, data.reshape(tiles, -1).contiguous(), group_size=BLOCK)
+
+
+def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> QuantizedTensor:
+    """The inverse of tile_rows: the rows `index` (default all) as int4, gathered from their tiles."""
+    rows, cols = weight.shape
+    index = torch.arange(rows) if index is None else index
+    index = index.to(weight.data.device)
+    tile, lane = index // TILE_ROWS, index % TILE_ROWS
+    blocks, codes_bytes = cols // BLOCK, TILE_ROWS * BLOCK // 2
+    data = weight.data.view(-1, blocks, TILE_BLOCK_BYTES)
+    codes = data[:, :, :codes_bytes].view(-1, blocks, 4, TILE_ROWS, 4)[tile, :, :, lane]  # [n, blocks, 4, 4]
+    halves = [data[:, :, at:at + 2 * TILE_ROWS].view(-1, blocks, TILE_ROWS, 2)[tile, :, lane]  # [n, blocks, 2]
+              .reshape(len(index), -1).view(torch.float16) for at in (codes_bytes, codes_bytes + 2 * TILE_ROWS)]
+    return QuantizedTensor("int4", (len(index), cols), codes.reshape(len(index), -1), *halves, group_size=BLOCK)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 /*
  * The batched half of the formats with an integer product (int8, q8_0, int4 and int5, which hold
- * GGUF's Q4_0/Q4_1 and Q5_0/Q5_1 bit for bit, and the K-quants: quant.h): y = x @ w^T for many
+ * GGUF's Q4_0/Q4_1 and Q5_0/Q5_1 bit for bit, and the K-quants: quant.h; int4x16, int4 stored as
+ * these panels already, needs none of this file's packing): y = x @ w^T for many
  * activation rows (prefill
  * chunks, decode batches past the fused step) with x rounded to int8 per block of 32, as
  * llama.cpp rounds activations to Q8_0/Q8_1. quant.h's `qmatvec_a8` is the decode half: the
@@ -428,12 +429,6 @@ DEFINE_QG_PACK(q4_k)
 DEFINE_QG_PACK(q5_k)
 DEFINE_QG_PACK(q6_k)
 
-static inline int32_t qg_word(const int8_t *p) { /* 4 activation codes as one 32-bit lane value */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 static inline int32_t qg_word_unsigned(const int8_t *p) { /* the same + 128, as unsigned bytes (Q6_K) */
     return (int32_t)((uint32_t)qg_word(p) ^ 0x80808080u);
 }
@@ -623,6 +618,14 @@ DEFINE_QMATMUL_A8(int5)
 DEFINE_QMATMUL_A8(q4_k)
 DEFINE_QMATMUL_A8(q5_k)
 DEFINE_QMATMUL_A8(q6_k)
+
+/* int4 in tiles (quant.h) is stored as its panels: the decode half's product reads them as they are. */
+static inline void qmatmul_a8_int4x16(const struct weight *w, const float *restrict x, float *restrict y, int64_t ldy,
+                                      int64_t m, const int8_t *restrict xq, const float *restrict xd,
+                                      const float *restrict xs, uint8_t *restrict panel) {
+    (void)x, (void)panel;
+    x16_product(w, xq, xd, xs, y, ldy, m);
+}
 
 /* What the batched product needs besides its operands, taken before the parallel region: the
  * rounded activations (shared by the threads) and a panel per thread. */

@@ -31,15 +31,24 @@ class QuantizedWeight(nn.Module):
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None, *, kernels: KernelBackend):
         super().__init__()
         self.kernels = kernels
+        self._hold(weight)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.int8_activations = False  # see set_int8_activations
+        self._kernel_weight: cpu_kernels.KernelWeight | None = None
+
+    def _hold(self, weight: QuantizedTensor) -> None:
+        """Keeps `weight`'s tensors as this layer's buffers, in place of any it held."""
+        if hasattr(self, "_layouts"):
+            for i in range(len(self._layouts)):
+                for name in self._buffer_names(i):
+                    delattr(self, name)
         self.format, self.shape, self.group_size = weight.format, weight.shape, weight.group_size
         parts = weight.parts if isinstance(weight, MixedTensor) else (weight,)
         self._layouts = [(part.format, part.shape, part.group_size) for part in parts]  # the parts' own
         for i, part in enumerate(parts):
             for name, tensor in zip(self._buffer_names(i), (part.data, part.scales, part.mins)):
                 self.register_buffer(name, tensor)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.int8_activations = False  # see set_int8_activations
-        self._kernel_weight: cpu_kernels.KernelWeight | None = None
+        self._kernel_weight = None
 
     def _buffer_names(self, part: int) -> tuple[str, str, str]:
         """codes, scales, mins; a mixed weight's part i: part{i}_codes, ..."""
@@ -136,11 +145,13 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32) -> None:
 def set_int8_activations(model: nn.Module) -> None:
     """Makes every quantized layer whose format has an integer product (int8, int4, GGUF blocks)
     round its input to int8 per block of 32 and multiply in integers (kernels/quant.h): faster on
-    CPUs, at the cost of the activation's rounding. Layers in fp8 or nf4 keep float inputs."""
+    CPUs, at the cost of the activation's rounding. Layers in fp8 or nf4 keep float inputs. Each
+    layer then keeps its weight in the layout the backend's integer products read (on CPU, GGUF's
+    Q4 blocks in tiles of 16 rows: int4x16), in place of the one it had: the same bytes, once."""
     for module in model.modules():
         if isinstance(module, QuantizedWeight) and cpu_kernels.takes_int8_activations(module.qweight):
             module.int8_activations = True
-            module._kernel_weight = None
+            module._hold(module.kernels.weight_layout(module.qweight, True))
 
 
 def weight_footprint(model: nn.Module) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from brisk import LLM
 from brisk.config import DEFAULT_TEXT
 from brisk.kernels import cpu as cpu_kernels
 from brisk.model.loader import DEFAULT_MODEL_FILE
+from brisk.quant.modules import QuantizedWeight
 from brisk.transport.client import ModelInfo
 from tests.helpers import brisk_logit_chunks, gemma_path, require
 
@@ -82,6 +83,12 @@ def test_the_default_holds_about_the_files_size_in_memory(real_model_path, model
     # nor anything else the size of one (Gemma's load gains less than its weights: they reuse heap
     # that building its 262,144-token vocabulary freed)
     assert measured["gained"] <= 1.15 * size, measured
+
+
+def test_the_defaults_q4_layers_are_held_in_tiles_for_the_integer_products(default_llm):
+    """The file's Q4_1 layers are kept once, as int4x16 (kernels/quant.h); the Q8_0 table as stored."""
+    held = {(type(m).__name__, m.format) for m in default_llm.engine.model.modules() if isinstance(m, QuantizedWeight)}
+    assert held == {("QuantizedLinear", "int4x16"), ("QuantizedEmbedding", "q8_0")}
 
 
 def _perplexity(llm: LLM, token_ids: list[int], chunk: int) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from brisk.kernels.packed import TILE_BLOCK_BYTES, tile_rows, untile_rows
 from brisk.quant.formats import (GGUF_BLOCK_BYTES, NF4_VALUES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks,
                                  pack_nibbles, quantize, unpack_nibbles)
 
@@ -113,6 +114,31 @@ def test_rows_and_cat_keep_every_format_consistent():
         assert torch.equal(q.rows(order).dequantize(), q.dequantize()[order])
         assert torch.equal(QuantizedTensor.cat([q.rows(order), q]).dequantize(),
                            torch.cat([q.dequantize()[order], q.dequantize()]))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_int4_in_tiles_of_16_rows_keeps_every_byte(rows):
+    """int4x16 (the CPU integer products' layout): the same codes, scales and minimums, rows
+    interleaved by 16 and the last tile padded; back to int4 whole or row by row, bit for bit."""
+    q = quantize(_weight((rows, 96)), "int4", 32)
+    tiled = tile_rows(q)
+    assert tiled.data.shape == (-(-rows // 16), 3 * TILE_BLOCK_BYTES)
+    # tile 0, block 1: word 2 of lane 0 is bytes 8..11 of row 0's second block, its scale after the codes
+    block = tiled.data[0, TILE_BLOCK_BYTES:2 * TILE_BLOCK_BYTES]
+    assert torch.equal(block[2 * 64:2 * 64 + 4], q.data[0, 16 + 8:16 + 12])
+    assert torch.equal(block[256:258].view(torch.float16), q.scales[0, 1:2])
+    back = untile_rows(tiled)
+    assert all(torch.equal(a, b) for a, b in ((back.data, q.data), (back.scales, q.scales), (back.mins, q.mins)))
+    order = torch.tensor([rows - 1, 0, rows // 2])
+    assert torch.equal(tiled.rows(order).dequantize(), q.dequantize()[order])
+    assert torch.equal(tiled.dequantize(), q.dequantize())
+
+
+def test_only_int4_with_a_scale_per_block_tiles():
+    for q in (quantize(_weight((4, 128)), "int4", 64), quantize(_weight((4, 128)), "int8"),
+              quantize(_weight((4, 45)), "int4", 32)):
+        with pytest.raises(ValueError, match="only int4 with a scale per block of 32"):
+            tile_rows(q)
 
 
 def test_bad_requests_name_the_problem():
