@@ -29,7 +29,8 @@ import torch
 
 from brisk.kernels.backend import ACTIVATIONS, KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
-from brisk.kernels.packed import GROUP_SIZES, GROUPED_FORMATS, MixedTensor, QuantizedTensor, tile_rows, tiles_rows
+from brisk.kernels.packed import (GROUP_SIZES, GROUPED_FORMATS, TILE_BLOCK_BYTES, MixedTensor, QuantizedTensor,
+                                  tile_rows, tiles_rows)
 
 log = logging.getLogger(__name__)
 
@@ -340,12 +341,13 @@ class _Batch(ctypes.Structure):  # struct decode_batch
 
 # enum weight_format, quant.h
 _FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5, "int5": 6, "q4_k": 7, "q5_k": 8,
-               "q6_k": 9, "mixed": 10, "int4x16": 11}
+               "q6_k": 9, "mixed": 10, "int4x16": 11,
+               "q8_0x16": 12}
 
 
 # formats with an integer product for int8 activations (quant.h); a mixed weight has it when all
 # its parts do (takes_int8_activations)
-INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "int4", "int5", "q4_k", "q5_k", "q6_k", "int4x16")
+INT8_ACTIVATION_FORMATS = ("int8", "q8_0", "int4", "int5", "q4_k", "q5_k", "q6_k", *TILE_BLOCK_BYTES)
 QUANT_MATVEC_MAX_ROWS = 8  # quant_linear.c's MATVEC_MAX_ROWS: up to here a weight block is read once for all rows
 
 
@@ -360,8 +362,9 @@ def takes_int8_activations(weight: QuantizedTensor) -> bool:
 
 
 def integer_layout(weight: QuantizedTensor) -> QuantizedTensor:
-    """The weight as the integer products read it fastest: int4 with a scale per block (GGUF's Q4
-    blocks) with its rows in tiles of 16 (int4x16, quant.h), every other format as it is."""
+    """The weight as the integer products read it fastest: Q8_0 and int4 with a scale per block
+    (GGUF's Q4 blocks) with their rows in tiles of 16 (q8_0x16, int4x16: quant.h), every other
+    format as it is."""
     if isinstance(weight, MixedTensor):
         return MixedTensor.of([integer_layout(part) for part in weight.parts])
     return tile_rows(weight) if tiles_rows(weight) else weight
@@ -398,15 +401,15 @@ class KernelWeight:
         """A low-bit weight (see quant.h for each format's layout) and a float32 bias.
         quantize_activations: products round activations to int8 per block (INT8_ACTIVATION_FORMATS),
         reading the weight in integer_layout (a copy where that differs: a model lays its weights
-        out so once, CBackend.weight_layout). int4x16 has the integer product only."""
+        out so once, CBackend.weight_layout). The tiled formats have the integer product only."""
         if isinstance(weight, MixedTensor):
             return cls._mixed(weight, bias, quantize_activations)
         if quantize_activations and weight.format not in INT8_ACTIVATION_FORMATS:
             raise ValueError(f"{weight.format} weights multiply float activations only")
         if quantize_activations:
             weight = integer_layout(weight)
-        elif weight.format == "int4x16":
-            raise ValueError("int4x16 weights multiply int8 activations only")
+        elif weight.format in TILE_BLOCK_BYTES:
+            raise ValueError(f"{weight.format} weights multiply int8 activations only")
         if weight.data.device.type != "cpu":
             raise ValueError("the C kernels read weights in CPU memory")
         scales, mins = weight.scales, weight.mins

@@ -34,11 +34,13 @@ GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, 
                     "q6_k": 210}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # kept as the file's blocks: [rows, cols / 256 * block bytes]
 INT5_BLOCK_BYTES = 20  # an int5 block's codes: u32 of fifth bits, then 16 bytes of nibbles
-# int4x16: int4 with a scale per block, its rows interleaved in tiles of TILE_ROWS for the CPU's
-# integer products (kernels/quant.h, "int4 in tiles of 16 rows"): per tile and block, the 16 rows'
-# codes as 4 words of 4 bytes each, word-major, then their f16 scales and minimums.
+# int4x16 and q8_0x16: int4 with a scale per block and GGUF's Q8_0 with their rows interleaved in
+# tiles of TILE_ROWS for the CPU's integer products (kernels/quant.h, "tiles of 16 rows"): per tile
+# and block, the 16 rows' codes as words of 4 codes, word-major (q8_0's + 128), then their f16
+# scales (and int4's minimums).
 TILE_ROWS = 16
-TILE_BLOCK_BYTES = TILE_ROWS * (BLOCK // 2 + 4)
+TILED = {"int4": "int4x16", "q8_0": "q8_0x16"}
+TILE_BLOCK_BYTES = {"int4x16": TILE_ROWS * (BLOCK // 2 + 4), "q8_0x16": TILE_ROWS * (BLOCK + 2)}
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class QuantizedTensor:
 
     format: str
     shape: tuple[int, int]
-    data: torch.Tensor  # [rows, bytes per row]: int8 codes (int8), uint8 otherwise (int4x16: [tiles, blocks * 320])
+    data: torch.Tensor  # [rows, bytes per row]: int8 codes (int8), uint8 otherwise (tiled: [tiles, bytes per tile])
     scales: torch.Tensor | None = None  # float32 [rows] (int8, fp8), float16 [rows, groups] (int4, nf4)
     mins: torch.Tensor | None = None  # float16 [rows, groups]: int4's zero points, as the value of code 0
     group_size: int = BLOCK
@@ -59,7 +61,7 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The float32 [rows, cols] matrix this stands for."""
         rows, cols = self.shape
-        if self.format == "int4x16":
+        if self.format in TILE_BLOCK_BYTES:
             return untile_rows(self).dequantize()
         if self.format in ("q8_0", *K_QUANTS):
             blocks = self.data.reshape(-1, GGUF_BLOCK_BYTES[self.format])
@@ -75,8 +77,8 @@ class QuantizedTensor:
         return codes.float() * scales + mins
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
-        """The rows `index` (a permutation, a lookup) in the same format (int4x16's: int4)."""
-        if self.format == "int4x16":
+        """The rows `index` (a permutation, a lookup) in the same format (a tiled one's: untiled)."""
+        if self.format in TILE_BLOCK_BYTES:
             return untile_rows(self, index)
         index = index.to(self.data.device)
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
@@ -158,40 +160,51 @@ def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 def tiles_rows(weight: QuantizedTensor) -> bool:
-    """Whether `weight` can be laid out as int4x16: int4 with a scale per block of 32, rows of
-    whole blocks."""
-    return weight.format == "int4" and weight.group_size == BLOCK and weight.shape[1] % BLOCK == 0
+    """Whether `weight` has a tiled layout (TILED): Q8_0, or int4 with a scale per block of 32
+    and rows of whole blocks."""
+    return (weight.format == "q8_0"
+            or weight.format == "int4" and weight.group_size == BLOCK and weight.shape[1] % BLOCK == 0)
 
 
 def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
-    """int4 (tiles_rows) -> int4x16: the same bytes, rows interleaved by TILE_ROWS (the last tile
-    padded with zero rows)."""
+    """int4 or q8_0 (tiles_rows) -> int4x16 or q8_0x16: the same bytes (q8_0's codes + 128), rows
+    interleaved by TILE_ROWS, the last tile padded with zero rows."""
     if not tiles_rows(weight):
-        raise ValueError(f"only int4 with a scale per block of {BLOCK} and rows of whole blocks can be tiled, "
-                         f"not {weight.format} (group {weight.group_size}, {weight.shape[1]} columns)")
+        raise ValueError(f"only q8_0, and int4 with a scale per block of {BLOCK} and rows of whole blocks, can be "
+                         f"tiled, not {weight.format} (group {weight.group_size}, {weight.shape[1]} columns)")
     rows, cols = weight.shape
     blocks, tiles = cols // BLOCK, -(-rows // TILE_ROWS)
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE_ROWS - rows))  # noqa: E731
-    # [tiles, lanes, blocks, words, 4 bytes] -> [tiles, blocks, words, lanes, 4 bytes]
-    codes = pad(weight.data).view(tiles, TILE_ROWS, blocks, 4, 4).permute(0, 2, 3, 1, 4)
-    halves = [pad(t.view(torch.uint8)).view(tiles, TILE_ROWS, blocks, 2).transpose(1, 2)
-              for t in (weight.scales.to(torch.float16), weight.mins.to(torch.float16))]
-    data = torch.cat([codes.reshape(tiles, blocks, -1), *(h.reshape(tiles, blocks, -1) for h in halves)], dim=2)
-    return QuantizedTensor("int4x16", weight.shape, data.reshape(tiles, -1).contiguous(), group_size=BLOCK)
+    if weight.format == "int4":
+        codes, words = weight.data, 4
+        halves = [weight.scales.to(torch.float16), weight.mins.to(torch.float16)]
+    else:
+        stored = weight.data.view(rows, blocks, 34)
+        codes, words = (stored[:, :, 2:] ^ 0x80).reshape(rows, -1), 8
+        halves = [stored[:, :, :2].reshape(rows, -1).view(torch.float16)]
+    # [tiles, lanes, blocks, words, 4 codes] -> [tiles, blocks, words, lanes, 4 codes]
+    codes = pad(codes).view(tiles, TILE_ROWS, blocks, words, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
+    halves = [pad(h.view(torch.uint8)).view(tiles, TILE_ROWS, blocks, 2).transpose(1, 2).reshape(tiles, blocks, -1)
+              for h in halves]
+    data = torch.cat([codes, *halves], dim=2).reshape(tiles, -1).contiguous()
+    return QuantizedTensor(TILED[weight.format], weight.shape, data, group_size=BLOCK)
 
 
 def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> QuantizedTensor:
-    """The inverse of tile_rows: the rows `index` (default all) as int4, gathered from their tiles."""
+    """The inverse of tile_rows: the rows `index` (default all) untiled, gathered from their tiles."""
     rows, cols = weight.shape
-    index = torch.arange(rows) if index is None else index
-    index = index.to(weight.data.device)
-    tile, lane = index // TILE_ROWS, index % TILE_ROWS
-    blocks, codes_bytes = cols // BLOCK, TILE_ROWS * BLOCK // 2
-    data = weight.data.view(-1, blocks, TILE_BLOCK_BYTES)
-    codes = data[:, :, :codes_bytes].view(-1, blocks, 4, TILE_ROWS, 4)[tile, :, :, lane]  # [n, blocks, 4, 4]
-    halves = [data[:, :, at:at + 2 * TILE_ROWS].view(-1, blocks, TILE_ROWS, 2)[tile, :, lane]  # [n, blocks, 2]
-              .reshape(len(index), -1).view(torch.float16) for at in (codes_bytes, codes_bytes + 2 * TILE_ROWS)]
-    return QuantizedTensor("int4", (len(index), cols), codes.reshape(len(index), -1), *halves, group_size=BLOCK)
+    index = (torch.arange(rows) if index is None else index).to(weight.data.device)
+    tile, lane, n = index // TILE_ROWS, index % TILE_ROWS, len(index)
+    blocks, words = cols // BLOCK, 4 if weight.format == "int4x16" else 8
+    data = weight.data.view(-1, blocks, TILE_BLOCK_BYTES[weight.format])
+    at = TILE_ROWS * words * 4  # where the scales start
+    codes = data[:, :, :at].view(-1, blocks, words, TILE_ROWS, 4)[tile, :, :, lane].reshape(n, blocks, -1)
+    halves = [data[:, :, a:a + 2 * TILE_ROWS].view(-1, blocks, TILE_ROWS, 2)[tile, :, lane]  # [n, blocks, 2]
+              for a in range(at, data.shape[2], 2 * TILE_ROWS)]  # scales, and int4's minimums
+    if weight.format == "q8_0x16":
+        return QuantizedTensor("q8_0", (n, cols), torch.cat([halves[0], codes ^ 0x80], dim=2).reshape(n, -1))
+    scales, mins = (h.reshape(n, -1).view(torch.float16) for h in halves)
+    return QuantizedTensor("int4", (n, cols), codes.reshape(n, -1), scales, mins, group_size=BLOCK)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

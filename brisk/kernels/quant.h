@@ -26,7 +26,8 @@
  *   WEIGHT_Q6_K   {u8 ql[128]; u8 qh[64]; int8 sc[16]; f16 d}        w = d * sc_s * (q - 32), a
  *                                                                      scale per 16 columns
  *   WEIGHT_MIXED  parts: row ranges of the matrix, each a weight in its own format
- *   WEIGHT_INT4X16  int4 with a scale per block, rows interleaved in tiles of 16 (see its section)
+ *   WEIGHT_INT4X16, WEIGHT_Q8_0X16  int4 with a scale per block and Q8_0, rows interleaved in tiles
+ *                 of 16 (see "tiles of 16 rows")
  *
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
  * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns. A GGUF file's
@@ -82,6 +83,7 @@ enum weight_format {
     WEIGHT_Q6_K = 9,
     WEIGHT_MIXED = 10,
     WEIGHT_INT4X16 = 11,
+    WEIGHT_Q8_0X16 = 12,
 };
 
 struct weight {
@@ -1436,53 +1438,78 @@ DEFINE_QMATVEC_A8(q4_k, 1)
 DEFINE_QMATVEC_A8(q5_k, 1)
 DEFINE_QMATVEC_A8(q6_k, 0)
 
-/* ---- int4 in tiles of 16 rows: the integer products' own layout ------------------------------
+/* ---- tiles of 16 rows: the integer products' own layouts -------------------------------------
  *
- * WEIGHT_INT4X16 is int4 with a scale per block (GGUF's Q4_0 and Q4_1, int4 at group 32) with its
- * rows interleaved the way the integer products read them; quant/modules.py lays a weight out so
- * once it takes int8 activations on a CPU (rows and blocks in this order, the file's bytes kept).
- * Tile T holds rows 16 T .. 16 T + 15, and per block b 320 bytes:
+ * WEIGHT_INT4X16 and WEIGHT_Q8_0X16 are int4 with a scale per block (GGUF's Q4_0 and Q4_1, int4 at
+ * group 32) and GGUF's Q8_0 with their rows interleaved the way the integer products read them;
+ * quant/modules.py lays a weight out so once it takes int8 activations on a CPU (the file's
+ * bytes, reordered). Tile T holds rows 16 T .. 16 T + 15, and per block b:
  *
- *     codes [4 words][16 lanes][4 bytes]   word t of lane l: bytes 4t .. 4t + 3 of row 16 T + l's
- *                                          block (elements 4t .. 4t + 3 low, 4t + 16 .. high)
- *     d [16], min [16]                     f16, lane l's: w = d * code + min
+ *   int4x16, 320 bytes   codes [4 words][16 lanes][4 bytes]: word t of lane l is bytes 4t .. 4t + 3
+ *                        of row 16 T + l's block (elements 4t .. 4t + 3 low, 4t + 16 .. high), then
+ *                        d [16], min [16] in f16: w = d * code + min
+ *   q8_0x16, 544 bytes   codes [8 words][16 lanes][4 bytes]: word t of lane l is elements 4t .. 4t + 3
+ *                        of row 16 T + l's block, each + 128 (unsigned), then d [16] in f16: w = d * q
  *
- * One vector load is a word of all 16 rows: a mask gives 4 codes of each row, a shift and a mask 4
- * more, and one `vpdpbusd` (or `maddubs`) against 4 bytes of an activation row broadcast leaves
- * every row's partial dot product in its own lane: the batched product's panel (quant_gemm.h),
- * stored so rather than packed on every call, at the file's size. A tile is one stream of
- * 320 bytes a block and no sum crosses lanes, where the row-major decode product reduced 16
- * lanes per row and read codes, scales and minimums from three places. Measured on an AMD EPYC
- * (Zen 4, AVX-512 VNNI, 2 threads), SmolLM2's 120 layer products alone: 1.6 ms a token instead
- * of 2.9; its decode steps in the engine: one sequence 5.65 -> 4.25 ms, 32 sequences 52 -> 47 ms
- * (against the panel product with its packing). So one product serves every number of rows:
- * the decode half (qmatvec_a8_int4x16) and the batched half
- * (quant_gemm.h's qmatmul_a8_int4x16) differ only in who rounds x. Rows past the last whole tile
- * are zero (codes, d and min); rows are whole blocks (only such weights are laid out so).
+ * One vector load is a word of all 16 rows (int4: a mask gives 4 codes of each row, a shift and a
+ * mask 4 more), and one `vpdpbusd` against 4 bytes of an activation row broadcast leaves every
+ * row's partial dot product in its own lane: the batched product's panel (quant_gemm.h), stored
+ * so rather than packed on every call, at the file's size. A tile is one stream and no sum
+ * crosses lanes, where the row-major decode product reduced 16 lanes per row. The + 128 of q8_0's
+ * codes is taken back as an offset, -128 d per unit of x's sum (xs), as the panels do; AVX2's
+ * `maddubs` would overflow on it, so there the codes are turned back to signed and multiplied as
+ * |c| by x with c's sign. Measured on an AMD EPYC (Zen 4, AVX-512 VNNI, 2 threads), SmolLM2's 120
+ * layer products alone: 1.6 ms a token instead of 2.9; its decode steps in the engine: one
+ * sequence 5.65 -> 4.25 ms, 32 sequences 52 -> 47 ms (against the panel product with its
+ * packing). So one product serves every number of rows: the decode half (qmatvec_a8_<fmt>x16)
+ * and the batched half (quant_gemm.h's qmatmul_a8_<fmt>x16) differ only in who rounds x. Rows
+ * past the last whole tile are zero (codes of zeros, d 0); rows are whole blocks (only such
+ * weights are laid out so).
  */
 #define X16_ROWS 16
-#define X16_BLOCK_BYTES 320
+#define X16_BYTES_int4x16 320
+#define X16_BYTES_q8_0x16 544
+#define X16_SCALES_int4x16 256 /* where d starts in a block; int4's minimums follow */
+#define X16_SCALES_q8_0x16 512
+#define X16_SIGNED_int4x16 0
+#define X16_SIGNED_q8_0x16 1
 
 /* out[i][l] = row l of a tile times activation row i, for ROWS rows (x rounded per block: xq
  * codes, xd scales and xs = xd * sum of codes, `full` blocks per row). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define DEFINE_X16_TILE(ROWS)                                                                             \
-    static inline void x16_tile_##ROWS(const uint8_t *restrict tile, int64_t full, const int8_t *restrict xq, \
-                                       const float *restrict xd, const float *restrict xs,               \
-                                       float out[][X16_ROWS]) {                                           \
-        const __m512i low = _mm512_set1_epi8(0x0F);                                                       \
+/* A block's 8 words of unsigned codes, and the offsets' vector (per unit of xs) */
+static inline void x16_codes_int4x16(const uint8_t *p, __m512i c[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * t));
+        c[t] = _mm512_and_si512(v, low);
+        c[t + 4] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+    }
+}
+static inline void x16_codes_q8_0x16(const uint8_t *p, __m512i c[8]) {
+    for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(p + 64 * t));
+}
+static inline __m512 x16_offsets_int4x16(const uint8_t *p, __m512 d) {
+    (void)d;
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + X16_SCALES_int4x16 + 2 * X16_ROWS)));
+}
+static inline __m512 x16_offsets_q8_0x16(const uint8_t *p, __m512 d) {
+    (void)p;
+    return _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+}
+
+#define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
+    static inline void x16_tile_##FMT##_##ROWS(const uint8_t *restrict tile, int64_t full, const int8_t *restrict xq, \
+                                               const float *restrict xd, const float *restrict xs,       \
+                                               float out[][X16_ROWS]) {                                   \
         __m512 acc[ROWS];                                                                                 \
         for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();                                      \
         for (int64_t b = 0; b < full; b++) {                                                              \
-            const uint8_t *p = tile + b * X16_BLOCK_BYTES;                                                \
+            const uint8_t *p = tile + b * X16_BYTES_##FMT;                                                \
             __m512i c[8];                                                                                 \
-            for (int t = 0; t < 4; t++) {                                                                 \
-                const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * t));                         \
-                c[t] = _mm512_and_si512(v, low);                                                          \
-                c[t + 4] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);                                \
-            }                                                                                             \
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));             \
-            const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));             \
+            x16_codes_##FMT(p, c);                                                                        \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + X16_SCALES_##FMT))); \
+            const __m512 o = x16_offsets_##FMT(p, d);                                                     \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const int8_t *x = xq + (i * full + b) * QBLOCK;                                           \
                 /* a row alone sums in two chains, so its 8 products do not wait on each other */        \
@@ -1500,33 +1527,59 @@ DEFINE_QMATVEC_A8(q6_k, 0)
         for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(out[i], acc[i]);                                  \
     }
 #elif defined(__AVX2__)
-/* A tile as two halves of 8 lanes (bytes 32 h .. 32 h + 31 of each word vector); a row's 8 words of
- * unsigned codes add up in int16 (8 x 2 x 15 x 127 < 32767) and widen once. */
-#define DEFINE_X16_TILE(ROWS)                                                                             \
-    static inline void x16_tile_##ROWS(const uint8_t *restrict tile, int64_t full, const int8_t *restrict xq, \
-                                       const float *restrict xd, const float *restrict xs,               \
-                                       float out[][X16_ROWS]) {                                           \
-        const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                          \
+/* A tile as two halves of 8 lanes (bytes 32 h .. 32 h + 31 of each word vector). int4's unsigned
+ * codes: a row's 8 words add up in int16 (8 x 2 x 15 x 127 < 32767) and widen once. q8_0's codes,
+ * signed again: |c| times x with c's sign, widened per word (a pair alone nearly fills int16). */
+static inline void x16_codes_int4x16(const uint8_t *p, int h, __m256i c[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h));
+        c[t] = _mm256_and_si256(v, low);
+        c[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+}
+static inline void x16_codes_q8_0x16(const uint8_t *p, int h, __m256i c[8]) {
+    for (int t = 0; t < 8; t++)
+        c[t] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h)), _mm256_set1_epi8(-128));
+}
+static inline __m256 x16_offsets_int4x16(const uint8_t *p, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + X16_SCALES_int4x16 + 2 * X16_ROWS + 16 * h)));
+}
+static inline __m256 x16_offsets_q8_0x16(const uint8_t *p, int h) {
+    (void)p, (void)h;
+    return _mm256_setzero_ps();
+}
+
+#define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
+    static inline void x16_tile_##FMT##_##ROWS(const uint8_t *restrict tile, int64_t full, const int8_t *restrict xq, \
+                                               const float *restrict xd, const float *restrict xs,       \
+                                               float out[][X16_ROWS]) {                                   \
+        const __m256i ones = _mm256_set1_epi16(1);                                                        \
         for (int h = 0; h < 2; h++) {                                                                     \
             __m256 acc[ROWS];                                                                             \
             for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();                                  \
             for (int64_t b = 0; b < full; b++) {                                                          \
-                const uint8_t *p = tile + b * X16_BLOCK_BYTES;                                            \
-                __m256i c[8];                                                                             \
-                for (int t = 0; t < 4; t++) {                                                             \
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h));         \
-                    c[t] = _mm256_and_si256(v, low);                                                      \
-                    c[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                            \
-                }                                                                                         \
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * h)));   \
-                const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * h)));   \
+                const uint8_t *p = tile + b * X16_BYTES_##FMT;                                            \
+                __m256i c[8], magnitude[8];                                                               \
+                x16_codes_##FMT(p, h, c);                                                                 \
+                if (X16_SIGNED_##FMT)                                                                     \
+                    for (int t = 0; t < 8; t++) magnitude[t] = _mm256_abs_epi8(c[t]);                     \
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + X16_SCALES_##FMT + 16 * h))); \
+                const __m256 o = x16_offsets_##FMT(p, h);                                                 \
                 for (int i = 0; i < ROWS; i++) {                                                          \
                     const int8_t *x = xq + (i * full + b) * QBLOCK;                                       \
-                    __m256i pairs = _mm256_setzero_si256();                                               \
-                    for (int t = 0; t < 8; t++)                                                           \
-                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(c[t], _mm256_set1_epi32(qg_word(x + 4 * t)))); \
+                    __m256i dot = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();                 \
+                    for (int t = 0; t < 8; t++) {                                                         \
+                        const __m256i xv = _mm256_set1_epi32(qg_word(x + 4 * t));                         \
+                        if (X16_SIGNED_##FMT)                                                             \
+                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(                                \
+                                _mm256_maddubs_epi16(magnitude[t], _mm256_sign_epi8(xv, c[t])), ones));   \
+                        else                                                                              \
+                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(c[t], xv));              \
+                    }                                                                                     \
+                    if (!X16_SIGNED_##FMT) dot = _mm256_madd_epi16(pairs, ones);                          \
                     const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * full + b]));                 \
-                    acc[i] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[i]); \
+                    acc[i] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(dot), acc[i]);                        \
                     acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[i * full + b]), acc[i]);                \
                 }                                                                                         \
             }                                                                                             \
@@ -1534,75 +1587,94 @@ DEFINE_QMATVEC_A8(q6_k, 0)
         }                                                                                                 \
     }
 #else
-#define DEFINE_X16_TILE(ROWS)                                                                             \
-    static inline void x16_tile_##ROWS(const uint8_t *restrict tile, int64_t full, const int8_t *restrict xq, \
-                                       const float *restrict xd, const float *restrict xs,               \
-                                       float out[][X16_ROWS]) {                                           \
+/* Code e of word t of lane l, and lane l's offset (per unit of xs) */
+static inline int32_t x16_code_int4x16(const uint8_t *p, int t, int l, int e) {
+    const uint8_t byte = p[64 * (t % 4) + 4 * l + e];
+    return t < 4 ? byte & 15 : byte >> 4;
+}
+static inline int32_t x16_code_q8_0x16(const uint8_t *p, int t, int l, int e) {
+    return (int8_t)(p[64 * t + 4 * l + e] ^ 0x80);
+}
+static inline float x16_offset_int4x16(const uint8_t *p, int l) {
+    uint16_t h;
+    memcpy(&h, p + X16_SCALES_int4x16 + 2 * X16_ROWS + 2 * l, 2);
+    return load_f16_scalar(h);
+}
+static inline float x16_offset_q8_0x16(const uint8_t *p, int l) {
+    (void)p, (void)l;
+    return 0.0f;
+}
+
+#define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
+    static inline void x16_tile_##FMT##_##ROWS(const uint8_t *restrict tile, int64_t full, const int8_t *restrict xq, \
+                                               const float *restrict xd, const float *restrict xs,       \
+                                               float out[][X16_ROWS]) {                                   \
         for (int i = 0; i < ROWS; i++)                                                                    \
             for (int l = 0; l < X16_ROWS; l++) out[i][l] = 0.0f;                                          \
         for (int64_t b = 0; b < full; b++) {                                                              \
-            const uint8_t *p = tile + b * X16_BLOCK_BYTES;                                                \
-            uint16_t d[X16_ROWS], o[X16_ROWS];                                                            \
-            memcpy(d, p + 256, sizeof d);                                                                 \
-            memcpy(o, p + 288, sizeof o);                                                                 \
+            const uint8_t *p = tile + b * X16_BYTES_##FMT;                                                \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const int8_t *x = xq + (i * full + b) * QBLOCK;                                           \
                 for (int l = 0; l < X16_ROWS; l++) {                                                      \
                     int32_t dot = 0;                                                                      \
-                    for (int t = 0; t < 4; t++)                                                           \
-                        for (int e = 0; e < 4; e++) {                                                     \
-                            const uint8_t byte = p[64 * t + 4 * l + e];                                   \
-                            dot += (byte & 15) * x[4 * t + e] + (byte >> 4) * x[16 + 4 * t + e];          \
-                        }                                                                                 \
-                    out[i][l] += load_f16_scalar(d[l]) * xd[i * full + b] * (float)dot                    \
-                                 + load_f16_scalar(o[l]) * xs[i * full + b];                              \
+                    for (int t = 0; t < 8; t++)                                                           \
+                        for (int e = 0; e < 4; e++) dot += x16_code_##FMT(p, t, l, e) * x[4 * t + e];     \
+                    uint16_t d;                                                                           \
+                    memcpy(&d, p + X16_SCALES_##FMT + 2 * l, 2);                                          \
+                    out[i][l] += load_f16_scalar(d) * xd[i * full + b] * (float)dot                       \
+                                 + x16_offset_##FMT(p, l) * xs[i * full + b];                             \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
     }
 #endif
 
-DEFINE_X16_TILE(8)
-DEFINE_X16_TILE(4)
-DEFINE_X16_TILE(2)
-DEFINE_X16_TILE(1)
-
 /* y [m, ldy] columns [0, w->rows) = x @ w^T (+ bias) with x rounded already (xq, xd, xs as
  * quantize_activations leaves them), in the calling parallel region: a tile per iteration,
- * multiplied into the activation rows 8 at a time while it sits in L1. */
-static inline void x16_product(const struct weight *w, const int8_t *restrict xq, const float *restrict xd,
-                               const float *restrict xs, float *restrict y, int64_t ldy, int64_t m) {
-    const int64_t n = w->rows, full = w->blocks, tiles = (n + X16_ROWS - 1) / X16_ROWS;
-    const float *bias = (const float *)w->bias;
-    _Pragma("omp for schedule(static)")
-    for (int64_t tile = 0; tile < tiles; tile++) {
-        const uint8_t *codes = (const uint8_t *)w->data + tile * full * X16_BLOCK_BYTES;
-        const int64_t j0 = tile * X16_ROWS, nr = n - j0 < X16_ROWS ? n - j0 : X16_ROWS;
-        for (int64_t i0 = 0; i0 < m;) {
-            float out[8][X16_ROWS];
-            const int64_t left = m - i0, rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            const int8_t *xqi = xq + i0 * full * QBLOCK;
-            const float *xdi = xd + i0 * full, *xsi = xs + i0 * full;
-            if (rows == 8) x16_tile_8(codes, full, xqi, xdi, xsi, out);
-            else if (rows == 4) x16_tile_4(codes, full, xqi, xdi, xsi, out);
-            else if (rows == 2) x16_tile_2(codes, full, xqi, xdi, xsi, out);
-            else x16_tile_1(codes, full, xqi, xdi, xsi, out);
-            for (int64_t i = 0; i < rows; i++)
-                for (int64_t l = 0; l < nr; l++) y[(i0 + i) * ldy + j0 + l] = out[i][l] + (bias ? bias[j0 + l] : 0.0f);
-            i0 += rows;
-        }
+ * multiplied into the activation rows 8 at a time while it sits in L1. The decode half rounds x
+ * by every thread into its own stack, as qmatvec_a8 does. */
+#define DEFINE_X16(FMT)                                                                                   \
+    DEFINE_X16_TILE(FMT, 8)                                                                               \
+    DEFINE_X16_TILE(FMT, 4)                                                                               \
+    DEFINE_X16_TILE(FMT, 2)                                                                               \
+    DEFINE_X16_TILE(FMT, 1)                                                                               \
+    static inline void x16_product_##FMT(const struct weight *w, const int8_t *restrict xq,                \
+                                         const float *restrict xd, const float *restrict xs,              \
+                                         float *restrict y, int64_t ldy, int64_t m) {                     \
+        const int64_t n = w->rows, full = w->blocks, tiles = (n + X16_ROWS - 1) / X16_ROWS;               \
+        const float *bias = (const float *)w->bias;                                                       \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t tile = 0; tile < tiles; tile++) {                                                    \
+            const uint8_t *codes = (const uint8_t *)w->data + tile * full * X16_BYTES_##FMT;              \
+            const int64_t j0 = tile * X16_ROWS, nr = n - j0 < X16_ROWS ? n - j0 : X16_ROWS;               \
+            for (int64_t i0 = 0; i0 < m;) {                                                               \
+                float out[8][X16_ROWS];                                                                   \
+                const int64_t left = m - i0, rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;    \
+                const int8_t *xqi = xq + i0 * full * QBLOCK;                                              \
+                const float *xdi = xd + i0 * full, *xsi = xs + i0 * full;                                 \
+                if (rows == 8) x16_tile_##FMT##_8(codes, full, xqi, xdi, xsi, out);                       \
+                else if (rows == 4) x16_tile_##FMT##_4(codes, full, xqi, xdi, xsi, out);                  \
+                else if (rows == 2) x16_tile_##FMT##_2(codes, full, xqi, xdi, xsi, out);                  \
+                else x16_tile_##FMT##_1(codes, full, xqi, xdi, xsi, out);                                 \
+                for (int64_t i = 0; i < rows; i++)                                                        \
+                    for (int64_t l = 0; l < nr; l++)                                                      \
+                        y[(i0 + i) * ldy + j0 + l] = out[i][l] + (bias ? bias[j0 + l] : 0.0f);            \
+                i0 += rows;                                                                               \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+                                                                                                          \
+    static inline void qmatvec_a8_##FMT(const struct weight *w, const float *restrict x, float *restrict y, \
+                                        int64_t ldy, int64_t m) {                                         \
+        const int64_t full = w->blocks;                                                                   \
+        int8_t xq[m * full * QBLOCK + 1];                                                                 \
+        float xd[m * full + 1], xs[m * full + 1];                                                         \
+        quantize_activations(x, m, w->cols, xq, xd, xs);                                                  \
+        x16_product_##FMT(w, xq, xd, xs, y, ldy, m);                                                      \
     }
-}
 
-/* The decode half: x rounded by every thread into its own stack, as qmatvec_a8 does. */
-static inline void qmatvec_a8_int4x16(const struct weight *w, const float *restrict x, float *restrict y,
-                                      int64_t ldy, int64_t m) {
-    const int64_t full = w->blocks;
-    int8_t xq[m * full * QBLOCK + 1];
-    float xd[m * full + 1], xs[m * full + 1];
-    quantize_activations(x, m, w->cols, xq, xd, xs);
-    x16_product(w, xq, xd, xs, y, ldy, m);
-}
+DEFINE_X16(int4x16)
+DEFINE_X16(q8_0x16)
 
 #define QUANT_DISPATCH(W, CALL)                                                                           \
     switch ((W)->format) {                                                                                  \
@@ -1629,6 +1701,7 @@ static inline void qmatvec_a8_int4x16(const struct weight *w, const float *restr
     case WEIGHT_Q5_K: CALL(q5_k); break;                                                                  \
     case WEIGHT_Q6_K: CALL(q6_k); break;                                                                  \
     case WEIGHT_INT4X16: CALL(int4x16); break;                                                            \
+    case WEIGHT_Q8_0X16: CALL(q8_0x16); break;                                                            \
     default: abort(); /* the Python side sets quantize_activations only for these */                     \
     }
 

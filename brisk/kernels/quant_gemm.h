@@ -1,7 +1,7 @@
 /*
  * The batched half of the formats with an integer product (int8, q8_0, int4 and int5, which hold
- * GGUF's Q4_0/Q4_1 and Q5_0/Q5_1 bit for bit, and the K-quants: quant.h; int4x16, int4 stored as
- * these panels already, needs none of this file's packing): y = x @ w^T for many
+ * GGUF's Q4_0/Q4_1 and Q5_0/Q5_1 bit for bit, and the K-quants: quant.h; int4x16 and q8_0x16,
+ * stored as these panels already, need none of this file's packing): y = x @ w^T for many
  * activation rows (prefill
  * chunks, decode batches past the fused step) with x rounded to int8 per block of 32, as
  * llama.cpp rounds activations to Q8_0/Q8_1. quant.h's `qmatvec_a8` is the decode half: the
@@ -619,13 +619,19 @@ DEFINE_QMATMUL_A8(q4_k)
 DEFINE_QMATMUL_A8(q5_k)
 DEFINE_QMATMUL_A8(q6_k)
 
-/* int4 in tiles (quant.h) is stored as its panels: the decode half's product reads them as they are. */
-static inline void qmatmul_a8_int4x16(const struct weight *w, const float *restrict x, float *restrict y, int64_t ldy,
-                                      int64_t m, const int8_t *restrict xq, const float *restrict xd,
-                                      const float *restrict xs, uint8_t *restrict panel) {
-    (void)x, (void)panel;
-    x16_product(w, xq, xd, xs, y, ldy, m);
-}
+/* The formats in tiles of 16 rows (quant.h) are stored as their panels: the decode half's product
+ * reads them as they are. */
+#define DEFINE_QMATMUL_A8_X16(FMT)                                                                        \
+    static inline void qmatmul_a8_##FMT(const struct weight *w, const float *restrict x, float *restrict y, \
+                                        int64_t ldy, int64_t m, const int8_t *restrict xq,                \
+                                        const float *restrict xd, const float *restrict xs,               \
+                                        uint8_t *restrict panel) {                                        \
+        (void)x, (void)panel;                                                                             \
+        x16_product_##FMT(w, xq, xd, xs, y, ldy, m);                                                      \
+    }
+
+DEFINE_QMATMUL_A8_X16(int4x16)
+DEFINE_QMATMUL_A8_X16(q8_0x16)
 
 /* What the batched product needs besides its operands, taken before the parallel region: the
  * rounded activations (shared by the threads) and a panel per thread. */

@@ -85,10 +85,11 @@ def test_the_default_holds_about_the_files_size_in_memory(real_model_path, model
     assert measured["gained"] <= 1.15 * size, measured
 
 
-def test_the_defaults_q4_layers_are_held_in_tiles_for_the_integer_products(default_llm):
-    """The file's Q4_1 layers are kept once, as int4x16 (kernels/quant.h); the Q8_0 table as stored."""
+def test_the_defaults_blocks_are_held_in_tiles_for_the_integer_products(default_llm):
+    """The file's Q4_1 layers and its Q8_0 table (the tied LM head) are kept once, in tiles of 16
+    rows (kernels/quant.h); a lookup gathers its rows from the tiles."""
     held = {(type(m).__name__, m.format) for m in default_llm.engine.model.modules() if isinstance(m, QuantizedWeight)}
-    assert held == {("QuantizedLinear", "int4x16"), ("QuantizedEmbedding", "q8_0")}
+    assert held == {("QuantizedLinear", "int4x16"), ("QuantizedEmbedding", "q8_0x16")}
 
 
 def _perplexity(llm: LLM, token_ids: list[int], chunk: int) -> float:

@@ -3,6 +3,7 @@ it rounds, on shapes that are not multiples of the group or the block."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
@@ -122,22 +123,47 @@ def test_int4_in_tiles_of_16_rows_keeps_every_byte(rows):
     interleaved by 16 and the last tile padded; back to int4 whole or row by row, bit for bit."""
     q = quantize(_weight((rows, 96)), "int4", 32)
     tiled = tile_rows(q)
-    assert tiled.data.shape == (-(-rows // 16), 3 * TILE_BLOCK_BYTES)
+    assert tiled.data.shape == (-(-rows // 16), 3 * TILE_BLOCK_BYTES["int4x16"])
     # tile 0, block 1: word 2 of lane 0 is bytes 8..11 of row 0's second block, its scale after the codes
-    block = tiled.data[0, TILE_BLOCK_BYTES:2 * TILE_BLOCK_BYTES]
+    block = tiled.data[0, TILE_BLOCK_BYTES["int4x16"]:2 * TILE_BLOCK_BYTES["int4x16"]]
     assert torch.equal(block[2 * 64:2 * 64 + 4], q.data[0, 16 + 8:16 + 12])
     assert torch.equal(block[256:258].view(torch.float16), q.scales[0, 1:2])
     back = untile_rows(tiled)
     assert all(torch.equal(a, b) for a, b in ((back.data, q.data), (back.scales, q.scales), (back.mins, q.mins)))
+    _same_rows(tiled, q)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_q8_0_in_tiles_of_16_rows_keeps_every_byte(rows):
+    """q8_0x16: each code + 128 (the unsigned operand of vpdpbusd), then the f16 scales."""
+    q = quantize_gguf(_weight((rows, 96)), "q8_0")
+    tiled = tile_rows(q)
+    assert tiled.data.shape == (-(-rows // 16), 3 * TILE_BLOCK_BYTES["q8_0x16"])
+    block = tiled.data[0, TILE_BLOCK_BYTES["q8_0x16"]:2 * TILE_BLOCK_BYTES["q8_0x16"]]  # tile 0, block 1
+    stored = q.data[0, 34:68]  # row 0's block 1 as the file has it: f16 scale, 32 int8 codes
+    assert torch.equal(block[5 * 64:5 * 64 + 4], stored[2 + 20:2 + 24] ^ 0x80)  # word 5 of lane 0
+    assert torch.equal(block[512:514], stored[:2])
+    assert torch.equal(untile_rows(tiled).data, q.data)
+    _same_rows(tiled, q)
+
+
+def quantize_gguf(w: torch.Tensor, kind: str):
+    """w in `kind` as the gguf package's quantizer writes it, loaded as brisk loads a file's blocks."""
+    blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind.upper()])
+    return from_gguf_blocks(kind, tuple(w.shape), torch.from_numpy(blocks.copy()))
+
+
+def _same_rows(tiled, q):
+    rows = q.shape[0]
     order = torch.tensor([rows - 1, 0, rows // 2])
     assert torch.equal(tiled.rows(order).dequantize(), q.dequantize()[order])
     assert torch.equal(tiled.dequantize(), q.dequantize())
 
 
-def test_only_int4_with_a_scale_per_block_tiles():
+def test_only_q8_0_and_int4_with_a_scale_per_block_tile():
     for q in (quantize(_weight((4, 128)), "int4", 64), quantize(_weight((4, 128)), "int8"),
               quantize(_weight((4, 45)), "int4", 32)):
-        with pytest.raises(ValueError, match="only int4 with a scale per block of 32"):
+        with pytest.raises(ValueError, match="only q8_0, and int4 with a scale per block of 32"):
             tile_rows(q)
 
 
