@@ -341,8 +341,7 @@ class _Batch(ctypes.Structure):  # struct decode_batch
 
 # enum weight_format, quant.h
 _FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5, "int5": 6, "q4_k": 7, "q5_k": 8,
-               "q6_k": 9, "mixed": 10, "int4x16": 11,
-               "q8_0x16": 12}
+               "q6_k": 9, "mixed": 10, "int4x16": 11, "q8_0x16": 12}
 
 
 # formats with an integer product for int8 activations (quant.h); a mixed weight has it when all

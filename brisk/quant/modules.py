@@ -31,13 +31,14 @@ class QuantizedWeight(nn.Module):
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None, *, kernels: KernelBackend):
         super().__init__()
         self.kernels = kernels
+        self._kernel_weight: cpu_kernels.KernelWeight | None = None
         self._hold(weight)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.int8_activations = False  # see set_int8_activations
-        self._kernel_weight: cpu_kernels.KernelWeight | None = None
 
     def _hold(self, weight: QuantizedTensor) -> None:
-        """Keeps `weight`'s tensors as this layer's buffers, in place of any it held."""
+        """Keeps `weight`'s tensors as this layer's buffers, in place of any it held (the kernel
+        view, which points into the old ones, is dropped)."""
         if hasattr(self, "_layouts"):
             for i in range(len(self._layouts)):
                 for name in self._buffer_names(i):
