@@ -179,7 +179,7 @@ def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
         codes, words = weight.data, 4
         halves = [weight.scales.to(torch.float16), weight.mins.to(torch.float16)]
     else:
-        stored = weight.data.view(rows, blocks, 34)
+        stored = weight.data.view(rows, blocks, GGUF_BLOCK_BYTES["q8_0"])
         codes, words = (stored[:, :, 2:] ^ 0x80).reshape(rows, -1), 8
         halves = [stored[:, :, :2].reshape(rows, -1).view(torch.float16)]
     # [tiles, lanes, blocks, words, 4 codes] -> [tiles, blocks, words, lanes, 4 codes]

@@ -136,7 +136,7 @@ def test_int4_in_tiles_of_16_rows_keeps_every_byte(rows):
 @pytest.mark.parametrize("rows", [1, 16, 37])
 def test_q8_0_in_tiles_of_16_rows_keeps_every_byte(rows):
     """q8_0x16: each code + 128 (the unsigned operand of vpdpbusd), then the f16 scales."""
-    q = quantize_gguf(_weight((rows, 96)), "q8_0")
+    q = _quantize_gguf(_weight((rows, 96)), "q8_0")
     tiled = tile_rows(q)
     assert tiled.data.shape == (-(-rows // 16), 3 * TILE_BLOCK_BYTES["q8_0x16"])
     block = tiled.data[0, TILE_BLOCK_BYTES["q8_0x16"]:2 * TILE_BLOCK_BYTES["q8_0x16"]]  # tile 0, block 1
@@ -147,7 +147,7 @@ def test_q8_0_in_tiles_of_16_rows_keeps_every_byte(rows):
     _same_rows(tiled, q)
 
 
-def quantize_gguf(w: torch.Tensor, kind: str):
+def _quantize_gguf(w: torch.Tensor, kind: str):
     """w in `kind` as the gguf package's quantizer writes it, loaded as brisk loads a file's blocks."""
     blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind.upper()])
     return from_gguf_blocks(kind, tuple(w.shape), torch.from_numpy(blocks.copy()))
