@@ -34,13 +34,16 @@ GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, 
                     "q6_k": 210}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # kept as the file's blocks: [rows, cols / 256 * block bytes]
 INT5_BLOCK_BYTES = 20  # an int5 block's codes: u32 of fifth bits, then 16 bytes of nibbles
-# int4x16 and q8_0x16: int4 with a scale per block and GGUF's Q8_0 with their rows interleaved in
-# tiles of TILE_ROWS for the CPU's integer products (kernels/quant.h, "tiles of 16 rows"): per tile
-# and block, the 16 rows' codes as words of 4 codes, word-major (q8_0's + 128), then their f16
-# scales (and int4's minimums).
+# int4x16, int5x16 and q8_0x16: int4 with a scale per block, int5 and GGUF's Q8_0 with their rows
+# interleaved in tiles of TILE_ROWS for the CPU's integer products (kernels/quant.h, "tiles of 16
+# rows"): per tile and block, the 16 rows' codes as words of 4 bytes, word-major (q8_0's + 128;
+# int5's fifth bits a word after the nibbles, bit t of byte e for element 4t + e), then their f16
+# scales (and int4's and int5's minimums).
 TILE_ROWS = 16
-TILED = {"int4": "int4x16", "q8_0": "q8_0x16"}
-TILE_BLOCK_BYTES = {"int4x16": TILE_ROWS * (BLOCK // 2 + 4), "q8_0x16": TILE_ROWS * (BLOCK + 2)}
+TILED = {"int4": "int4x16", "int5": "int5x16", "q8_0": "q8_0x16"}
+TILE_BLOCK_BYTES = {"int4x16": TILE_ROWS * (BLOCK // 2 + 4), "int5x16": TILE_ROWS * (INT5_BLOCK_BYTES + 4),
+                    "q8_0x16": TILE_ROWS * (BLOCK + 2)}
+_TILE_WORDS = {"int4x16": 4, "int5x16": 5, "q8_0x16": 8}  # words of 4 code bytes per row and block
 
 
 @dataclass(frozen=True)
@@ -160,28 +163,33 @@ def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 def tiles_rows(weight: QuantizedTensor) -> bool:
-    """Whether `weight` has a tiled layout (TILED): Q8_0, or int4 with a scale per block of 32
-    and rows of whole blocks."""
-    return (weight.format == "q8_0"
-            or weight.format == "int4" and weight.group_size == BLOCK and weight.shape[1] % BLOCK == 0)
+    """Whether `weight` has a tiled layout (TILED): Q8_0, or int4/int5 with a scale per block of
+    32 and rows of whole blocks."""
+    return (weight.format == "q8_0" or weight.format in ("int4", "int5") and weight.group_size == BLOCK
+            and weight.shape[1] % BLOCK == 0)
 
 
 def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
-    """int4 or q8_0 (tiles_rows) -> int4x16 or q8_0x16: the same bytes (q8_0's codes + 128), rows
-    interleaved by TILE_ROWS, the last tile padded with zero rows."""
+    """int4, int5 or q8_0 (tiles_rows) -> int4x16, int5x16 or q8_0x16: the same bytes (q8_0's codes
+    + 128, int5's fifth bits regrouped), rows interleaved by TILE_ROWS, the last tile padded with
+    zero rows."""
     if not tiles_rows(weight):
-        raise ValueError(f"only q8_0, and int4 with a scale per block of {BLOCK} and rows of whole blocks, can be "
-                         f"tiled, not {weight.format} (group {weight.group_size}, {weight.shape[1]} columns)")
+        raise ValueError(f"only q8_0, and int4 or int5 with a scale per block of {BLOCK} and rows of whole blocks, "
+                         f"can be tiled, not {weight.format} (group {weight.group_size}, {weight.shape[1]} columns)")
     rows, cols = weight.shape
     blocks, tiles = cols // BLOCK, -(-rows // TILE_ROWS)
+    words = _TILE_WORDS[TILED[weight.format]]
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE_ROWS - rows))  # noqa: E731
-    if weight.format == "int4":
-        codes, words = weight.data, 4
-        halves = [weight.scales.to(torch.float16), weight.mins.to(torch.float16)]
-    else:
+    if weight.format == "q8_0":
         stored = weight.data.view(rows, blocks, GGUF_BLOCK_BYTES["q8_0"])
-        codes, words = (stored[:, :, 2:] ^ 0x80).reshape(rows, -1), 8
+        codes = (stored[:, :, 2:] ^ 0x80).reshape(rows, -1)
         halves = [stored[:, :, :2].reshape(rows, -1).view(torch.float16)]
+    else:
+        codes = weight.data
+        if weight.format == "int5":  # {u32 fifth bits, nibbles} -> {nibbles, fifth bits by word}
+            stored = weight.data.view(rows, blocks, INT5_BLOCK_BYTES)
+            codes = torch.cat([stored[:, :, 4:], _fifth_bits_by_word(stored[:, :, :4])], dim=2).reshape(rows, -1)
+        halves = [weight.scales.to(torch.float16), weight.mins.to(torch.float16)]
     # [tiles, lanes, blocks, words, 4 codes] -> [tiles, blocks, words, lanes, 4 codes]
     codes = pad(codes).view(tiles, TILE_ROWS, blocks, words, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
     halves = [pad(h.view(torch.uint8)).view(tiles, TILE_ROWS, blocks, 2).transpose(1, 2).reshape(tiles, blocks, -1)
@@ -195,7 +203,7 @@ def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> Q
     rows, cols = weight.shape
     index = (torch.arange(rows) if index is None else index).to(weight.data.device)
     tile, lane, n = index // TILE_ROWS, index % TILE_ROWS, len(index)
-    blocks, words = cols // BLOCK, 4 if weight.format == "int4x16" else 8
+    blocks, words = cols // BLOCK, _TILE_WORDS[weight.format]
     data = weight.data.view(-1, blocks, TILE_BLOCK_BYTES[weight.format])
     at = TILE_ROWS * words * 4  # where the scales start
     codes = data[:, :, :at].view(-1, blocks, words, TILE_ROWS, 4)[tile, :, :, lane].reshape(n, blocks, -1)
@@ -204,7 +212,24 @@ def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> Q
     if weight.format == "q8_0x16":
         return QuantizedTensor("q8_0", (n, cols), torch.cat([halves[0], codes ^ 0x80], dim=2).reshape(n, -1))
     scales, mins = (h.reshape(n, -1).view(torch.float16) for h in halves)
-    return QuantizedTensor("int4", (n, cols), codes.reshape(n, -1), scales, mins, group_size=BLOCK)
+    if weight.format == "int5x16":
+        codes = torch.cat([_fifth_bits_by_element(codes[:, :, 16:]), codes[:, :, :16]], dim=2)
+    return QuantizedTensor(weight.format[:4], (n, cols), codes.reshape(n, -1), scales, mins, group_size=BLOCK)
+
+
+def _fifth_bits_by_word(high: torch.Tensor) -> torch.Tensor:
+    """int5's [..., 4] bytes of fifth bits (bit e: element e) -> int5x16's (byte e, bit t: element
+    4t + e)."""
+    bits = (high[..., None] >> torch.arange(8, dtype=torch.uint8, device=high.device)) & 1  # [..., byte, bit]
+    by_word = bits.flatten(-2).unflatten(-1, (8, 4)).transpose(-1, -2)  # [..., e, t]: element 4t + e
+    return (by_word << torch.arange(8, dtype=torch.uint8, device=high.device)).sum(-1, dtype=torch.uint8)
+
+
+def _fifth_bits_by_element(fifth: torch.Tensor) -> torch.Tensor:
+    """The inverse of _fifth_bits_by_word."""
+    bits = (fifth[..., None] >> torch.arange(8, dtype=torch.uint8, device=fifth.device)) & 1  # [..., e, t]
+    by_element = bits.transpose(-1, -2).flatten(-2).unflatten(-1, (4, 8))  # [..., byte, bit]
+    return (by_element << torch.arange(8, dtype=torch.uint8, device=fifth.device)).sum(-1, dtype=torch.uint8)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,8 @@
  *   WEIGHT_Q6_K   {u8 ql[128]; u8 qh[64]; int8 sc[16]; f16 d}        w = d * sc_s * (q - 32), a
  *                                                                      scale per 16 columns
  *   WEIGHT_MIXED  parts: row ranges of the matrix, each a weight in its own format
- *   WEIGHT_INT4X16, WEIGHT_Q8_0X16  int4 with a scale per block and Q8_0, rows interleaved in tiles
- *                 of 16 (see "tiles of 16 rows")
+ *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16  int4 with a scale per block, int5 and Q8_0,
+ *                 rows interleaved in tiles of 16 (see "tiles of 16 rows")
  *
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
  * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns. A GGUF file's
@@ -84,6 +84,7 @@ enum weight_format {
     WEIGHT_MIXED = 10,
     WEIGHT_INT4X16 = 11,
     WEIGHT_Q8_0X16 = 12,
+    WEIGHT_INT5X16 = 13,
 };
 
 struct weight {
@@ -1440,14 +1441,18 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 
 /* ---- tiles of 16 rows: the integer products' own layouts -------------------------------------
  *
- * WEIGHT_INT4X16 and WEIGHT_Q8_0X16 are int4 with a scale per block (GGUF's Q4_0 and Q4_1, int4 at
- * group 32) and GGUF's Q8_0 with their rows interleaved the way the integer products read them;
+ * WEIGHT_INT4X16, WEIGHT_INT5X16 and WEIGHT_Q8_0X16 are int4 with a scale per block (GGUF's Q4_0 and
+ * Q4_1, int4 at group 32), int5 (Q5_0 and Q5_1) and GGUF's Q8_0 with their rows interleaved the way
+ * the integer products read them;
  * quant/modules.py lays a weight out so once it takes int8 activations on a CPU (the file's
  * bytes, reordered). Tile T holds rows 16 T .. 16 T + 15, and per block b:
  *
  *   int4x16, 320 bytes   codes [4 words][16 lanes][4 bytes]: word t of lane l is bytes 4t .. 4t + 3
  *                        of row 16 T + l's block (elements 4t .. 4t + 3 low, 4t + 16 .. high), then
  *                        d [16], min [16] in f16: w = d * code + min
+ *   int5x16, 384 bytes   int4x16's nibble words, then the fifth bits as a fifth word: byte e of lane
+ *                        l holds in bit t the fifth bit of element 4t + e (so word t's fifth bits
+ *                        are one bit of every byte, one shift away from bit 4), then d, min
  *   q8_0x16, 544 bytes   codes [8 words][16 lanes][4 bytes]: word t of lane l is elements 4t .. 4t + 3
  *                        of row 16 T + l's block, each + 128 (unsigned), then d [16] in f16: w = d * q
  *
@@ -1468,10 +1473,14 @@ DEFINE_QMATVEC_A8(q6_k, 0)
  */
 #define X16_ROWS 16
 #define X16_BYTES_int4x16 320
+#define X16_BYTES_int5x16 384
 #define X16_BYTES_q8_0x16 544
-#define X16_SCALES_int4x16 256 /* where d starts in a block; int4's minimums follow */
+#define X16_SCALES_int4x16 256 /* where d starts in a block; int4's and int5's minimums follow */
+#define X16_SCALES_int5x16 320
 #define X16_SCALES_q8_0x16 512
+#define X16_FIFTH 256 /* where int5x16's fifth bits start in a block */
 #define X16_SIGNED_int4x16 0
+#define X16_SIGNED_int5x16 0
 #define X16_SIGNED_q8_0x16 1
 
 /* out[i][l] = row l of a tile times activation row i, for ROWS rows (x rounded per block: xq
@@ -1486,12 +1495,25 @@ static inline void x16_codes_int4x16(const uint8_t *p, __m512i c[8]) {
         c[t + 4] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
     }
 }
+/* int5: int4's codes with bit t of the fifth word's bytes moved to bit 4 (16-bit shifts: the
+ * bit that lands on bit 4 comes from its own byte) and or-ed in (vpternlogd: a | b & c) */
+static inline void x16_codes_int5x16(const uint8_t *p, __m512i c[8]) {
+    const __m512i fifth = _mm512_loadu_si512((const void *)(p + X16_FIFTH)), bit4 = _mm512_set1_epi8(0x10);
+    x16_codes_int4x16(p, c);
+    for (int t = 0; t < 4; t++) {
+        c[t] = _mm512_ternarylogic_epi32(c[t], _mm512_slli_epi16(fifth, 4 - t), bit4, 0xF8);
+        c[t + 4] = _mm512_ternarylogic_epi32(c[t + 4], _mm512_srli_epi16(fifth, t), bit4, 0xF8);
+    }
+}
 static inline void x16_codes_q8_0x16(const uint8_t *p, __m512i c[8]) {
     for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(p + 64 * t));
 }
 static inline __m512 x16_offsets_int4x16(const uint8_t *p, __m512 d) {
     (void)d;
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + X16_SCALES_int4x16 + 2 * X16_ROWS)));
+}
+static inline __m512 x16_offsets_int5x16(const uint8_t *p, __m512 d) {
+    return x16_offsets_int4x16(p + X16_SCALES_int5x16 - X16_SCALES_int4x16, d);
 }
 static inline __m512 x16_offsets_q8_0x16(const uint8_t *p, __m512 d) {
     (void)p;
@@ -1527,9 +1549,13 @@ static inline __m512 x16_offsets_q8_0x16(const uint8_t *p, __m512 d) {
         for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(out[i], acc[i]);                                  \
     }
 #elif defined(__AVX2__)
-/* A tile as two halves of 8 lanes (bytes 32 h .. 32 h + 31 of each word vector). int4's unsigned
- * codes: a row's 8 words add up in int16 (8 x 2 x 15 x 127 < 32767) and widen once. q8_0's codes,
- * signed again: |c| times x with c's sign, widened per word (a pair alone nearly fills int16). */
+/* A tile as two halves of 8 lanes (bytes 32 h .. 32 h + 31 of each word vector). Unsigned codes
+ * add up in int16 for X16_WIDEN words, then widen: int4's 8 (8 x 2 x 15 x 127 < 32767), int5's 4
+ * (4 x 2 x 31 x 127). q8_0's codes, signed again: |c| times x with c's sign, widened per word (a
+ * pair alone nearly fills int16). */
+#define X16_WIDEN_int4x16 8
+#define X16_WIDEN_int5x16 4
+#define X16_WIDEN_q8_0x16 1
 static inline void x16_codes_int4x16(const uint8_t *p, int h, __m256i c[8]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < 4; t++) {
@@ -1538,12 +1564,23 @@ static inline void x16_codes_int4x16(const uint8_t *p, int h, __m256i c[8]) {
         c[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
 }
+static inline void x16_codes_int5x16(const uint8_t *p, int h, __m256i c[8]) {
+    const __m256i fifth = _mm256_loadu_si256((const __m256i *)(p + X16_FIFTH + 32 * h)), bit4 = _mm256_set1_epi8(0x10);
+    x16_codes_int4x16(p, h, c);
+    for (int t = 0; t < 4; t++) {
+        c[t] = _mm256_or_si256(c[t], _mm256_and_si256(_mm256_slli_epi16(fifth, 4 - t), bit4));
+        c[t + 4] = _mm256_or_si256(c[t + 4], _mm256_and_si256(_mm256_srli_epi16(fifth, t), bit4));
+    }
+}
 static inline void x16_codes_q8_0x16(const uint8_t *p, int h, __m256i c[8]) {
     for (int t = 0; t < 8; t++)
         c[t] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h)), _mm256_set1_epi8(-128));
 }
 static inline __m256 x16_offsets_int4x16(const uint8_t *p, int h) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + X16_SCALES_int4x16 + 2 * X16_ROWS + 16 * h)));
+}
+static inline __m256 x16_offsets_int5x16(const uint8_t *p, int h) {
+    return x16_offsets_int4x16(p + X16_SCALES_int5x16 - X16_SCALES_int4x16, h);
 }
 static inline __m256 x16_offsets_q8_0x16(const uint8_t *p, int h) {
     (void)p, (void)h;
@@ -1576,8 +1613,11 @@ static inline __m256 x16_offsets_q8_0x16(const uint8_t *p, int h) {
                                 _mm256_maddubs_epi16(magnitude[t], _mm256_sign_epi8(xv, c[t])), ones));   \
                         else                                                                              \
                             pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(c[t], xv));              \
+                        if (!X16_SIGNED_##FMT && (t + 1) % X16_WIDEN_##FMT == 0) {                        \
+                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));                  \
+                            pairs = _mm256_setzero_si256();                                               \
+                        }                                                                                 \
                     }                                                                                     \
-                    if (!X16_SIGNED_##FMT) dot = _mm256_madd_epi16(pairs, ones);                          \
                     const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * full + b]));                 \
                     acc[i] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(dot), acc[i]);                        \
                     acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[i * full + b]), acc[i]);                \
@@ -1592,6 +1632,9 @@ static inline int32_t x16_code_int4x16(const uint8_t *p, int t, int l, int e) {
     const uint8_t byte = p[64 * (t % 4) + 4 * l + e];
     return t < 4 ? byte & 15 : byte >> 4;
 }
+static inline int32_t x16_code_int5x16(const uint8_t *p, int t, int l, int e) {
+    return x16_code_int4x16(p, t, l, e) | (p[X16_FIFTH + 4 * l + e] >> t & 1) << 4;
+}
 static inline int32_t x16_code_q8_0x16(const uint8_t *p, int t, int l, int e) {
     return (int8_t)(p[64 * t + 4 * l + e] ^ 0x80);
 }
@@ -1599,6 +1642,9 @@ static inline float x16_offset_int4x16(const uint8_t *p, int l) {
     uint16_t h;
     memcpy(&h, p + X16_SCALES_int4x16 + 2 * X16_ROWS + 2 * l, 2);
     return load_f16_scalar(h);
+}
+static inline float x16_offset_int5x16(const uint8_t *p, int l) {
+    return x16_offset_int4x16(p + X16_SCALES_int5x16 - X16_SCALES_int4x16, l);
 }
 static inline float x16_offset_q8_0x16(const uint8_t *p, int l) {
     (void)p, (void)l;
@@ -1674,6 +1720,7 @@ static inline float x16_offset_q8_0x16(const uint8_t *p, int l) {
     }
 
 DEFINE_X16(int4x16)
+DEFINE_X16(int5x16)
 DEFINE_X16(q8_0x16)
 
 #define QUANT_DISPATCH(W, CALL)                                                                           \
@@ -1701,6 +1748,7 @@ DEFINE_X16(q8_0x16)
     case WEIGHT_Q5_K: CALL(q5_k); break;                                                                  \
     case WEIGHT_Q6_K: CALL(q6_k); break;                                                                  \
     case WEIGHT_INT4X16: CALL(int4x16); break;                                                            \
+    case WEIGHT_INT5X16: CALL(int5x16); break;                                                            \
     case WEIGHT_Q8_0X16: CALL(q8_0x16); break;                                                            \
     default: abort(); /* the Python side sets quantize_activations only for these */                     \
     }

@@ -147,6 +147,26 @@ def test_q8_0_in_tiles_of_16_rows_keeps_every_byte(rows):
     _same_rows(tiled, q)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_int5_in_tiles_of_16_rows_keeps_every_byte(rows):
+    """int5x16 (Q5_0 and Q5_1 as the integer products read them): int4x16's nibble words, then the
+    fifth bits regrouped by word (bit t of byte e: element 4t + e), then scales and minimums."""
+    q = _quantize_gguf(_weight((rows, 96)), "q5_1")
+    tiled = tile_rows(q)
+    assert tiled.data.shape == (-(-rows // 16), 3 * TILE_BLOCK_BYTES["int5x16"])
+    block = tiled.data[0, TILE_BLOCK_BYTES["int5x16"]:2 * TILE_BLOCK_BYTES["int5x16"]]  # tile 0, block 1
+    stored = q.data[0, 20:40]  # row 0's block 1: u32 of fifth bits (bit e: element e), 16 nibble bytes
+    assert torch.equal(block[2 * 64:2 * 64 + 4], stored[4 + 8:4 + 12])  # word 2 of lane 0
+    fifth = int.from_bytes(bytes(stored[:4].tolist()), "little")
+    lane0 = block[256:260].tolist()
+    assert [lane0[e % 4] >> (e // 4) & 1 for e in range(32)] == [fifth >> e & 1 for e in range(32)]
+    assert torch.equal(block[320:322].view(torch.float16), q.scales[0, 1:2])
+    assert torch.equal(block[352:354].view(torch.float16), q.mins[0, 1:2])
+    back = untile_rows(tiled)
+    assert all(torch.equal(a, b) for a, b in ((back.data, q.data), (back.scales, q.scales), (back.mins, q.mins)))
+    _same_rows(tiled, q)
+
+
 def _quantize_gguf(w: torch.Tensor, kind: str):
     """w in `kind` as the gguf package's quantizer writes it, loaded as brisk loads a file's blocks."""
     blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind.upper()])
@@ -160,10 +180,10 @@ def _same_rows(tiled, q):
     assert torch.equal(tiled.dequantize(), q.dequantize())
 
 
-def test_only_q8_0_and_int4_with_a_scale_per_block_tile():
+def test_only_q8_0_and_int4_or_int5_with_a_scale_per_block_tile():
     for q in (quantize(_weight((4, 128)), "int4", 64), quantize(_weight((4, 128)), "int8"),
               quantize(_weight((4, 45)), "int4", 32)):
-        with pytest.raises(ValueError, match="only q8_0, and int4 with a scale per block of 32"):
+        with pytest.raises(ValueError, match="only q8_0, and int4 or int5 with a scale per block of 32"):
             tile_rows(q)
 
 
