@@ -40,9 +40,11 @@ INT5_BLOCK_BYTES = 20  # an int5 block's codes: u32 of fifth bits, then 16 bytes
 # int5's fifth bits a word after the nibbles, bit t of byte e for element 4t + e), then their f16
 # scales (and int4's and int5's minimums).
 TILE_ROWS = 16
-TILED = {"int4": "int4x16", "int5": "int5x16", "q8_0": "q8_0x16"}
+TILED = {"int4": "int4x16", "int5": "int5x16", "q8_0": "q8_0x16", "q4_k": "q4_kx16"}
+K_BLOCKS = 8  # blocks of 32 in a K-quant super-block
+# bytes per block of a tile (q4_kx16: a share of its super-block's: 8 blocks' records, then d and dmin)
 TILE_BLOCK_BYTES = {"int4x16": TILE_ROWS * (BLOCK // 2 + 4), "int5x16": TILE_ROWS * (INT5_BLOCK_BYTES + 4),
-                    "q8_0x16": TILE_ROWS * (BLOCK + 2)}
+                    "q8_0x16": TILE_ROWS * (BLOCK + 2), "q4_kx16": TILE_ROWS * (BLOCK // 2 + 2) + 4 * TILE_ROWS // K_BLOCKS}
 _TILE_WORDS = {"int4x16": 4, "int5x16": 5, "q8_0x16": 8}  # words of 4 code bytes per row and block
 
 
@@ -163,39 +165,45 @@ def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 def tiles_rows(weight: QuantizedTensor) -> bool:
-    """Whether `weight` has a tiled layout (TILED): Q8_0, or int4/int5 with a scale per block of
-    32 and rows of whole blocks."""
-    return (weight.format == "q8_0" or weight.format in ("int4", "int5") and weight.group_size == BLOCK
+    """Whether `weight` has a tiled layout (TILED): Q8_0 or Q4_K, or int4/int5 with a scale per
+    block of 32 and rows of whole blocks."""
+    return (weight.format in ("q8_0", "q4_k") or weight.format in ("int4", "int5") and weight.group_size == BLOCK
             and weight.shape[1] % BLOCK == 0)
 
 
 def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
-    """int4, int5 or q8_0 (tiles_rows) -> int4x16, int5x16 or q8_0x16: the same bytes (q8_0's codes
-    + 128, int5's fifth bits regrouped), rows interleaved by TILE_ROWS, the last tile padded with
-    zero rows."""
+    """int4, int5, q8_0 or q4_k (tiles_rows) -> int4x16, int5x16, q8_0x16 or q4_kx16: the same
+    codes and scales (q8_0's codes + 128, int5's fifth bits regrouped, q4_k's nibbles paired per
+    block and its 6-bit scales as bytes), rows interleaved by TILE_ROWS, the last tile padded with
+    zero rows. kernels/quant.h, "tiles of 16 rows", has the layouts."""
     if not tiles_rows(weight):
-        raise ValueError(f"only q8_0, and int4 or int5 with a scale per block of {BLOCK} and rows of whole blocks, "
-                         f"can be tiled, not {weight.format} (group {weight.group_size}, {weight.shape[1]} columns)")
+        raise ValueError(f"only q8_0, q4_k, and int4 or int5 with a scale per block of {BLOCK} and rows of whole "
+                         f"blocks, can be tiled, not {weight.format} (group {weight.group_size}, {weight.shape[1]} "
+                         "columns)")
     rows, cols = weight.shape
     blocks, tiles = cols // BLOCK, -(-rows // TILE_ROWS)
-    words = _TILE_WORDS[TILED[weight.format]]
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, tiles * TILE_ROWS - rows))  # noqa: E731
+    # per block: the codes in words of 4 bytes, then fields of one value per row [rows, blocks, 1, bytes]
+    each = lambda t, width: t.reshape(rows, -1, 1, width)  # noqa: E731
+    halves = lambda t: each(t.to(torch.float16).view(torch.uint8), 2)  # noqa: E731
     if weight.format == "q8_0":
         stored = weight.data.view(rows, blocks, GGUF_BLOCK_BYTES["q8_0"])
-        codes = (stored[:, :, 2:] ^ 0x80).reshape(rows, -1)
-        halves = [stored[:, :, :2].reshape(rows, -1).view(torch.float16)]
+        codes, fields = stored[:, :, 2:] ^ 0x80, [each(stored[:, :, :2], 2)]
+    elif weight.format == "q4_k":
+        stored = weight.data.view(rows, -1, GGUF_BLOCK_BYTES["q4_k"])
+        pairs = _bit_planes(stored[:, :, 16:].reshape(-1, 4, 32), 4).reshape(rows, blocks, 2, 16)
+        codes = pairs[:, :, 0] | pairs[:, :, 1] << 4  # element t low, t + 16 high, as int4's
+        fields = [each(t, 1) for t in _k_scale_bytes(stored[:, :, 4:16].reshape(-1, 12))]
     else:
-        codes = weight.data
+        codes = weight.data.view(rows, blocks, -1)
         if weight.format == "int5":  # {u32 fifth bits, nibbles} -> {nibbles, fifth bits by word}
-            stored = weight.data.view(rows, blocks, INT5_BLOCK_BYTES)
-            codes = torch.cat([stored[:, :, 4:], _fifth_bits_by_word(stored[:, :, :4])], dim=2).reshape(rows, -1)
-        halves = [weight.scales.to(torch.float16), weight.mins.to(torch.float16)]
-    # [tiles, lanes, blocks, words, 4 codes] -> [tiles, blocks, words, lanes, 4 codes]
-    codes = pad(codes).view(tiles, TILE_ROWS, blocks, words, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
-    halves = [pad(h.view(torch.uint8)).view(tiles, TILE_ROWS, blocks, 2).transpose(1, 2).reshape(tiles, blocks, -1)
-              for h in halves]
-    data = torch.cat([codes, *halves], dim=2).reshape(tiles, -1).contiguous()
-    return QuantizedTensor(TILED[weight.format], weight.shape, data, group_size=BLOCK)
+            codes = torch.cat([codes[:, :, 4:], _fifth_bits_by_word(codes[:, :, :4])], dim=2)
+        fields = [halves(weight.scales), halves(weight.mins)]
+    data = torch.cat([_to_lanes(f, tiles) for f in (codes.reshape(rows, blocks, -1, 4), *fields)], dim=2)
+    if weight.format == "q4_k":  # [tiles, blocks, record] -> [tiles, supers, 8 records, then d and dmin]
+        supers = stored.shape[1]
+        data = torch.cat([data.view(tiles, supers, -1), *(_to_lanes(each(stored[:, :, a:a + 2], 2), tiles)
+                                                          for a in (0, 2))], dim=2)
+    return QuantizedTensor(TILED[weight.format], weight.shape, data.reshape(tiles, -1).contiguous(), group_size=BLOCK)
 
 
 def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> QuantizedTensor:
@@ -203,18 +211,49 @@ def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> Q
     rows, cols = weight.shape
     index = (torch.arange(rows) if index is None else index).to(weight.data.device)
     tile, lane, n = index // TILE_ROWS, index % TILE_ROWS, len(index)
-    blocks, words = cols // BLOCK, _TILE_WORDS[weight.format]
+    blocks = cols // BLOCK
+    lanes = lambda part, width: _from_lanes(part, width, tile, lane)  # noqa: E731  [n, blocks, fields, width]
+    if weight.format == "q4_kx16":
+        supers = blocks // K_BLOCKS
+        data = weight.data.view(-1, supers, TILE_BLOCK_BYTES["q4_kx16"] * K_BLOCKS)
+        record = TILE_ROWS * (BLOCK // 2 + 2)
+        body = data[:, :, :K_BLOCKS * record].reshape(-1, blocks, record)
+        nibbles = lanes(body[:, :, :TILE_ROWS * 16], 4).reshape(n, supers, K_BLOCKS // 2, 2, 16)
+        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=4)  # [n, supers, pairs, block of pair, 32]
+        scales, mins = (lanes(body[:, :, a:a + TILE_ROWS], 1).reshape(-1, K_BLOCKS)
+                        for a in (TILE_ROWS * 16, TILE_ROWS * 17))
+        d, dmin = (lanes(data[:, :, a:a + 2 * TILE_ROWS], 2).reshape(n, supers, 2)
+                   for a in (K_BLOCKS * record, K_BLOCKS * record + 2 * TILE_ROWS))
+        qs = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).reshape(n, supers, 128)
+        stored = torch.cat([d, dmin, _k_scales_packed(scales, mins).view(n, supers, 12), qs], dim=2)
+        return QuantizedTensor("q4_k", (n, cols), stored.reshape(n, -1))
+    words = _TILE_WORDS[weight.format]
     data = weight.data.view(-1, blocks, TILE_BLOCK_BYTES[weight.format])
     at = TILE_ROWS * words * 4  # where the scales start
-    codes = data[:, :, :at].view(-1, blocks, words, TILE_ROWS, 4)[tile, :, :, lane].reshape(n, blocks, -1)
-    halves = [data[:, :, a:a + 2 * TILE_ROWS].view(-1, blocks, TILE_ROWS, 2)[tile, :, lane]  # [n, blocks, 2]
-              for a in range(at, data.shape[2], 2 * TILE_ROWS)]  # scales, and int4's minimums
+    codes = lanes(data[:, :, :at], 4).reshape(n, blocks, -1)
+    halves = [lanes(data[:, :, a:a + 2 * TILE_ROWS], 2).reshape(n, blocks, 2)  # scales, and int4's/int5's minimums
+              for a in range(at, data.shape[2], 2 * TILE_ROWS)]
     if weight.format == "q8_0x16":
         return QuantizedTensor("q8_0", (n, cols), torch.cat([halves[0], codes ^ 0x80], dim=2).reshape(n, -1))
     scales, mins = (h.reshape(n, -1).view(torch.float16) for h in halves)
     if weight.format == "int5x16":
         codes = torch.cat([_fifth_bits_by_element(codes[:, :, 16:]), codes[:, :, :16]], dim=2)
     return QuantizedTensor(weight.format[:4], (n, cols), codes.reshape(n, -1), scales, mins, group_size=BLOCK)
+
+
+def _to_lanes(field: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[rows, n, k, width] (k words of `width` bytes per row and block) -> [tiles, n, k * 16 *
+    width]: per tile and block, word-major, the tile's 16 rows side by side in each word (rows past
+    the last padded with zeros)."""
+    rows, n, k, width = field.shape
+    field = torch.nn.functional.pad(field, (0, 0, 0, 0, 0, 0, 0, tiles * TILE_ROWS - rows))
+    return field.view(tiles, TILE_ROWS, n, k, width).permute(0, 2, 3, 1, 4).reshape(tiles, n, -1)
+
+
+def _from_lanes(part: torch.Tensor, width: int, tile: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """The inverse of _to_lanes for rows (tile, lane): [tiles, n, k * 16 * width] -> [rows, n, k, width]."""
+    tiles, n = part.shape[:2]
+    return part.reshape(tiles, n, -1, TILE_ROWS, width)[tile, :, :, lane]
 
 
 def _fifth_bits_by_word(high: torch.Tensor) -> torch.Tensor:
@@ -230,6 +269,19 @@ def _fifth_bits_by_element(fifth: torch.Tensor) -> torch.Tensor:
     bits = (fifth[..., None] >> torch.arange(8, dtype=torch.uint8, device=fifth.device)) & 1  # [..., e, t]
     by_element = bits.transpose(-1, -2).flatten(-2).unflatten(-1, (4, 8))  # [..., byte, bit]
     return (by_element << torch.arange(8, dtype=torch.uint8, device=fifth.device)).sum(-1, dtype=torch.uint8)
+
+
+def _k_scale_bytes(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes [n, 12] -> the 8 blocks' 6-bit scales and minimums [n, 8] as bytes."""
+    d, m, both = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    return (torch.cat((d & 63, (both & 15) | ((d >> 2) & 48)), dim=1),
+            torch.cat((m & 63, (both >> 4) | ((m >> 2) & 48)), dim=1))
+
+
+def _k_scales_packed(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The inverse of _k_scale_bytes: [n, 8] scales and minimums (6 bits) -> [n, 12] bytes."""
+    return torch.cat((scales[:, :4] | (scales[:, 4:] >> 4) << 6, mins[:, :4] | (mins[:, 4:] >> 4) << 6,
+                      (scales[:, 4:] & 15) | (mins[:, 4:] & 15) << 4), dim=1)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -268,10 +320,7 @@ def _q5(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's 12 bytes -> the 8 blocks' 6-bit scales and minimums [n, 8] (quant.h's layout)."""
-    d, m, both = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scales = torch.cat((d & 63, (both & 15) | ((d >> 2) & 48)), dim=1)
-    mins = torch.cat((m & 63, (both >> 4) | ((m >> 2) & 48)), dim=1)
-    return scales.float(), mins.float()
+    return tuple(t.float() for t in _k_scale_bytes(packed))
 
 
 def _bit_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -26,8 +26,8 @@
  *   WEIGHT_Q6_K   {u8 ql[128]; u8 qh[64]; int8 sc[16]; f16 d}        w = d * sc_s * (q - 32), a
  *                                                                      scale per 16 columns
  *   WEIGHT_MIXED  parts: row ranges of the matrix, each a weight in its own format
- *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16  int4 with a scale per block, int5 and Q8_0,
- *                 rows interleaved in tiles of 16 (see "tiles of 16 rows")
+ *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16  int4 with a scale per block,
+ *                 int5, Q8_0 and Q4_K, rows interleaved in tiles of 16 (see "tiles of 16 rows")
  *
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
  * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns. A GGUF file's
@@ -85,6 +85,7 @@ enum weight_format {
     WEIGHT_INT4X16 = 11,
     WEIGHT_Q8_0X16 = 12,
     WEIGHT_INT5X16 = 13,
+    WEIGHT_Q4_KX16 = 14,
 };
 
 struct weight {
@@ -1441,9 +1442,9 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 
 /* ---- tiles of 16 rows: the integer products' own layouts -------------------------------------
  *
- * WEIGHT_INT4X16, WEIGHT_INT5X16 and WEIGHT_Q8_0X16 are int4 with a scale per block (GGUF's Q4_0 and
- * Q4_1, int4 at group 32), int5 (Q5_0 and Q5_1) and GGUF's Q8_0 with their rows interleaved the way
- * the integer products read them;
+ * WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16 and WEIGHT_Q4_KX16 are int4 with a scale per block
+ * (GGUF's Q4_0 and Q4_1, int4 at group 32), int5 (Q5_0 and Q5_1), GGUF's Q8_0 and Q4_K with their
+ * rows interleaved the way the integer products read them;
  * quant/modules.py lays a weight out so once it takes int8 activations on a CPU (the file's
  * bytes, reordered). Tile T holds rows 16 T .. 16 T + 15, and per block b:
  *
@@ -1453,6 +1454,10 @@ DEFINE_QMATVEC_A8(q6_k, 0)
  *   int5x16, 384 bytes   int4x16's nibble words, then the fifth bits as a fifth word: byte e of lane
  *                        l holds in bit t the fifth bit of element 4t + e (so word t's fifth bits
  *                        are one bit of every byte, one shift away from bit 4), then d, min
+ *   q4_kx16              per super-block of 8 blocks: 8 records of 288 bytes (int4x16's nibble
+ *                        words, the blocks' 6-bit scales sc [16] and minimums m [16] as bytes),
+ *                        then the rows' d [16] and dmin [16] in f16: w = d sc code - dmin m. 296
+ *                        bytes a block; the file's scales unpacked (its 12 bytes of 6-bit fields)
  *   q8_0x16, 544 bytes   codes [8 words][16 lanes][4 bytes]: word t of lane l is elements 4t .. 4t + 3
  *                        of row 16 T + l's block, each + 128 (unsigned), then d [16] in f16: w = d * q
  *
@@ -1472,16 +1477,26 @@ DEFINE_QMATVEC_A8(q6_k, 0)
  * weights are laid out so).
  */
 #define X16_ROWS 16
-#define X16_BYTES_int4x16 320
+#define X16_BYTES_int4x16 320 /* a tile's bytes per block of its rows */
 #define X16_BYTES_int5x16 384
 #define X16_BYTES_q8_0x16 544
+#define X16_BYTES_q4_kx16 296
 #define X16_SCALES_int4x16 256 /* where d starts in a block; int4's and int5's minimums follow */
 #define X16_SCALES_int5x16 320
 #define X16_SCALES_q8_0x16 512
 #define X16_FIFTH 256 /* where int5x16's fifth bits start in a block */
+#define X16_KQ_RECORD 288 /* a q4_kx16 block's codes, sc and m; a super-block's 8, then d and dmin */
+#define X16_KQ_SUPER (QK_BLOCKS * X16_KQ_RECORD + 4 * X16_ROWS)
+/* Where block b starts in its tile */
+#define X16_AT_int4x16(b) ((b) * X16_BYTES_int4x16)
+#define X16_AT_int5x16(b) ((b) * X16_BYTES_int5x16)
+#define X16_AT_q8_0x16(b) ((b) * X16_BYTES_q8_0x16)
+#define X16_AT_q4_kx16(b) ((b) / QK_BLOCKS * X16_KQ_SUPER + (b) % QK_BLOCKS * X16_KQ_RECORD)
+#define x16_codes_q4_kx16 x16_codes_int4x16
 #define X16_SIGNED_int4x16 0
 #define X16_SIGNED_int5x16 0
 #define X16_SIGNED_q8_0x16 1
+#define X16_SIGNED_q4_kx16 0
 
 /* out[i][l] = row l of a tile times activation row i, for ROWS rows (x rounded per block: xq
  * codes, xd scales and xs = xd * sum of codes, `full` blocks per row). */
@@ -1508,16 +1523,30 @@ static inline void x16_codes_int5x16(const uint8_t *p, __m512i c[8]) {
 static inline void x16_codes_q8_0x16(const uint8_t *p, __m512i c[8]) {
     for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(p + 64 * t));
 }
-static inline __m512 x16_offsets_int4x16(const uint8_t *p, __m512 d) {
-    (void)d;
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + X16_SCALES_int4x16 + 2 * X16_ROWS)));
+/* Block b's 16 scales d and offsets o (per unit of x's sum, xs), its record at p in `tile` */
+static inline __m512 x16_halves(const uint8_t *at) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)); }
+static inline void x16_scales_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
+    (void)tile, (void)b;
+    *d = x16_halves(p + X16_SCALES_int4x16);
+    *o = x16_halves(p + X16_SCALES_int4x16 + 2 * X16_ROWS);
 }
-static inline __m512 x16_offsets_int5x16(const uint8_t *p, __m512 d) {
-    return x16_offsets_int4x16(p + X16_SCALES_int5x16 - X16_SCALES_int4x16, d);
+static inline void x16_scales_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
+    (void)tile, (void)b;
+    *d = x16_halves(p + X16_SCALES_int5x16);
+    *o = x16_halves(p + X16_SCALES_int5x16 + 2 * X16_ROWS);
 }
-static inline __m512 x16_offsets_q8_0x16(const uint8_t *p, __m512 d) {
-    (void)p;
-    return _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
+    (void)tile, (void)b;
+    *d = x16_halves(p + X16_SCALES_q8_0x16);
+    *o = _mm512_mul_ps(*d, _mm512_set1_ps(-128.0f));
+}
+static inline __m512 x16_bytes(const uint8_t *at) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)));
+}
+static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
+    const uint8_t *super = tile + b / QK_BLOCKS * X16_KQ_SUPER + QK_BLOCKS * X16_KQ_RECORD;
+    *d = _mm512_mul_ps(x16_halves(super), x16_bytes(p + 256));
+    *o = _mm512_mul_ps(x16_halves(super + 2 * X16_ROWS), _mm512_sub_ps(_mm512_setzero_ps(), x16_bytes(p + 272)));
 }
 
 #define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
@@ -1527,11 +1556,11 @@ static inline __m512 x16_offsets_q8_0x16(const uint8_t *p, __m512 d) {
         __m512 acc[ROWS];                                                                                 \
         for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();                                      \
         for (int64_t b = 0; b < full; b++) {                                                              \
-            const uint8_t *p = tile + b * X16_BYTES_##FMT;                                                \
+            const uint8_t *p = tile + X16_AT_##FMT(b);                                                    \
             __m512i c[8];                                                                                 \
+            __m512 d, o;                                                                                  \
             x16_codes_##FMT(p, c);                                                                        \
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + X16_SCALES_##FMT))); \
-            const __m512 o = x16_offsets_##FMT(p, d);                                                     \
+            x16_scales_##FMT(tile, b, p, &d, &o);                                                         \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const int8_t *x = xq + (i * full + b) * QBLOCK;                                           \
                 /* a row alone sums in two chains, so its 8 products do not wait on each other */        \
@@ -1556,6 +1585,7 @@ static inline __m512 x16_offsets_q8_0x16(const uint8_t *p, __m512 d) {
 #define X16_WIDEN_int4x16 8
 #define X16_WIDEN_int5x16 4
 #define X16_WIDEN_q8_0x16 1
+#define X16_WIDEN_q4_kx16 8
 static inline void x16_codes_int4x16(const uint8_t *p, int h, __m256i c[8]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < 4; t++) {
@@ -1576,15 +1606,30 @@ static inline void x16_codes_q8_0x16(const uint8_t *p, int h, __m256i c[8]) {
     for (int t = 0; t < 8; t++)
         c[t] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h)), _mm256_set1_epi8(-128));
 }
-static inline __m256 x16_offsets_int4x16(const uint8_t *p, int h) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + X16_SCALES_int4x16 + 2 * X16_ROWS + 16 * h)));
+/* Half h's 8 scales d and offsets o (q8_0's codes are signed again here: none) */
+static inline __m256 x16_halves(const uint8_t *at) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at)); }
+static inline void x16_scales_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
+    (void)tile, (void)b;
+    *d = x16_halves(p + X16_SCALES_int4x16 + 16 * h);
+    *o = x16_halves(p + X16_SCALES_int4x16 + 2 * X16_ROWS + 16 * h);
 }
-static inline __m256 x16_offsets_int5x16(const uint8_t *p, int h) {
-    return x16_offsets_int4x16(p + X16_SCALES_int5x16 - X16_SCALES_int4x16, h);
+static inline void x16_scales_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
+    (void)tile, (void)b;
+    *d = x16_halves(p + X16_SCALES_int5x16 + 16 * h);
+    *o = x16_halves(p + X16_SCALES_int5x16 + 2 * X16_ROWS + 16 * h);
 }
-static inline __m256 x16_offsets_q8_0x16(const uint8_t *p, int h) {
-    (void)p, (void)h;
-    return _mm256_setzero_ps();
+static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
+    (void)tile, (void)b;
+    *d = x16_halves(p + X16_SCALES_q8_0x16 + 16 * h);
+    *o = _mm256_setzero_ps();
+}
+static inline __m256 x16_bytes(const uint8_t *at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at)));
+}
+static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
+    const uint8_t *super = tile + b / QK_BLOCKS * X16_KQ_SUPER + QK_BLOCKS * X16_KQ_RECORD;
+    *d = _mm256_mul_ps(x16_halves(super + 16 * h), x16_bytes(p + 256 + 8 * h));
+    *o = _mm256_mul_ps(x16_halves(super + 2 * X16_ROWS + 16 * h), _mm256_sub_ps(_mm256_setzero_ps(), x16_bytes(p + 272 + 8 * h)));
 }
 
 #define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
@@ -1596,13 +1641,13 @@ static inline __m256 x16_offsets_q8_0x16(const uint8_t *p, int h) {
             __m256 acc[ROWS];                                                                             \
             for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();                                  \
             for (int64_t b = 0; b < full; b++) {                                                          \
-                const uint8_t *p = tile + b * X16_BYTES_##FMT;                                            \
+                const uint8_t *p = tile + X16_AT_##FMT(b);                                                \
                 __m256i c[8], magnitude[8];                                                               \
+                __m256 d, o;                                                                              \
                 x16_codes_##FMT(p, h, c);                                                                 \
                 if (X16_SIGNED_##FMT)                                                                     \
                     for (int t = 0; t < 8; t++) magnitude[t] = _mm256_abs_epi8(c[t]);                     \
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + X16_SCALES_##FMT + 16 * h))); \
-                const __m256 o = x16_offsets_##FMT(p, h);                                                 \
+                x16_scales_##FMT(tile, b, p, h, &d, &o);                                                  \
                 for (int i = 0; i < ROWS; i++) {                                                          \
                     const int8_t *x = xq + (i * full + b) * QBLOCK;                                       \
                     __m256i dot = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();                 \
@@ -1635,20 +1680,35 @@ static inline int32_t x16_code_int4x16(const uint8_t *p, int t, int l, int e) {
 static inline int32_t x16_code_int5x16(const uint8_t *p, int t, int l, int e) {
     return x16_code_int4x16(p, t, l, e) | (p[X16_FIFTH + 4 * l + e] >> t & 1) << 4;
 }
+#define x16_code_q4_kx16 x16_code_int4x16
 static inline int32_t x16_code_q8_0x16(const uint8_t *p, int t, int l, int e) {
     return (int8_t)(p[64 * t + 4 * l + e] ^ 0x80);
 }
-static inline float x16_offset_int4x16(const uint8_t *p, int l) {
+/* Lane l's scale d and offset o (per unit of xs) for block b, its record at p in `tile` */
+static inline float x16_half(const uint8_t *at) {
     uint16_t h;
-    memcpy(&h, p + X16_SCALES_int4x16 + 2 * X16_ROWS + 2 * l, 2);
+    memcpy(&h, at, 2);
     return load_f16_scalar(h);
 }
-static inline float x16_offset_int5x16(const uint8_t *p, int l) {
-    return x16_offset_int4x16(p + X16_SCALES_int5x16 - X16_SCALES_int4x16, l);
+static inline void x16_scale_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
+    (void)tile, (void)b;
+    *d = x16_half(p + X16_SCALES_int4x16 + 2 * l);
+    *o = x16_half(p + X16_SCALES_int4x16 + 2 * X16_ROWS + 2 * l);
 }
-static inline float x16_offset_q8_0x16(const uint8_t *p, int l) {
-    (void)p, (void)l;
-    return 0.0f;
+static inline void x16_scale_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
+    (void)tile, (void)b;
+    *d = x16_half(p + X16_SCALES_int5x16 + 2 * l);
+    *o = x16_half(p + X16_SCALES_int5x16 + 2 * X16_ROWS + 2 * l);
+}
+static inline void x16_scale_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
+    (void)tile, (void)b;
+    *d = x16_half(p + X16_SCALES_q8_0x16 + 2 * l);
+    *o = 0.0f;
+}
+static inline void x16_scale_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
+    const uint8_t *super = tile + b / QK_BLOCKS * X16_KQ_SUPER + QK_BLOCKS * X16_KQ_RECORD;
+    *d = x16_half(super + 2 * l) * (float)p[256 + l];
+    *o = -x16_half(super + 2 * X16_ROWS + 2 * l) * (float)p[272 + l];
 }
 
 #define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
@@ -1658,17 +1718,16 @@ static inline float x16_offset_q8_0x16(const uint8_t *p, int l) {
         for (int i = 0; i < ROWS; i++)                                                                    \
             for (int l = 0; l < X16_ROWS; l++) out[i][l] = 0.0f;                                          \
         for (int64_t b = 0; b < full; b++) {                                                              \
-            const uint8_t *p = tile + b * X16_BYTES_##FMT;                                                \
+            const uint8_t *p = tile + X16_AT_##FMT(b);                                                    \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const int8_t *x = xq + (i * full + b) * QBLOCK;                                           \
                 for (int l = 0; l < X16_ROWS; l++) {                                                      \
                     int32_t dot = 0;                                                                      \
                     for (int t = 0; t < 8; t++)                                                           \
                         for (int e = 0; e < 4; e++) dot += x16_code_##FMT(p, t, l, e) * x[4 * t + e];     \
-                    uint16_t d;                                                                           \
-                    memcpy(&d, p + X16_SCALES_##FMT + 2 * l, 2);                                          \
-                    out[i][l] += load_f16_scalar(d) * xd[i * full + b] * (float)dot                       \
-                                 + x16_offset_##FMT(p, l) * xs[i * full + b];                             \
+                    float d, o;                                                                           \
+                    x16_scale_##FMT(tile, b, p, l, &d, &o);                                               \
+                    out[i][l] += d * xd[i * full + b] * (float)dot + o * xs[i * full + b];                \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
@@ -1721,6 +1780,7 @@ static inline float x16_offset_q8_0x16(const uint8_t *p, int l) {
 
 DEFINE_X16(int4x16)
 DEFINE_X16(int5x16)
+DEFINE_X16(q4_kx16)
 DEFINE_X16(q8_0x16)
 
 #define QUANT_DISPATCH(W, CALL)                                                                           \
@@ -1749,6 +1809,7 @@ DEFINE_X16(q8_0x16)
     case WEIGHT_Q6_K: CALL(q6_k); break;                                                                  \
     case WEIGHT_INT4X16: CALL(int4x16); break;                                                            \
     case WEIGHT_INT5X16: CALL(int5x16); break;                                                            \
+    case WEIGHT_Q4_KX16: CALL(q4_kx16); break;                                                            \
     case WEIGHT_Q8_0X16: CALL(q8_0x16); break;                                                            \
     default: abort(); /* the Python side sets quantize_activations only for these */                     \
     }

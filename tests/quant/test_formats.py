@@ -10,6 +10,7 @@ import torch
 from brisk.kernels.packed import TILE_BLOCK_BYTES, tile_rows, untile_rows
 from brisk.quant.formats import (GGUF_BLOCK_BYTES, NF4_VALUES, QuantizedTensor, dequantize_gguf_blocks, from_gguf_blocks,
                                  pack_nibbles, quantize, unpack_nibbles)
+from tests.kernels.test_quant_kernels import random_gguf_blocks
 
 SHAPES = [(7, 45), (33, 100), (64, 128), (3, 31)]
 
@@ -167,10 +168,36 @@ def test_int5_in_tiles_of_16_rows_keeps_every_byte(rows):
     _same_rows(tiled, q)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_q4_k_in_tiles_of_16_rows_keeps_every_byte(rows):
+    """q4_kx16: per super-block, 8 records of a block's nibbles (element t low, t + 16 high, as
+    int4's), its 6-bit scales and minimums as bytes; then the rows' d and dmin. Back to the file's
+    super-blocks, packed scales included, bit for bit."""
+    q = _random_gguf("q4_k", rows, 512)
+    tiled = tile_rows(q)
+    assert tiled.data.shape == (-(-rows // 16), 16 * TILE_BLOCK_BYTES["q4_kx16"])
+    stored = q.data[0, 144:288]  # row 0's second super-block: d, dmin, 12 bytes of scales, 128 of codes
+    second = tiled.data[0, 8 * TILE_BLOCK_BYTES["q4_kx16"]:]
+    record = second[3 * 288:4 * 288]  # its block 3: codes in the high nibbles of bytes 32 .. 63
+    codes = [b >> 4 for b in stored[16 + 32:16 + 64].tolist()]
+    assert record[64:68].tolist() == [codes[4 + e] | codes[20 + e] << 4 for e in range(4)]  # word 1 of lane 0
+    packed = stored[4:16].tolist()  # block 3's scale and minimum: the low 6 bits of bytes 3 and 7
+    assert (record[256].item(), record[272].item()) == (packed[3] & 63, packed[7] & 63)
+    assert torch.equal(second[8 * 288:8 * 288 + 2], stored[:2]) and torch.equal(second[8 * 288 + 32:8 * 288 + 34],
+                                                                               stored[2:4])
+    assert torch.equal(untile_rows(tiled).data, q.data)
+    _same_rows(tiled, q)
+
+
 def _quantize_gguf(w: torch.Tensor, kind: str):
     """w in `kind` as the gguf package's quantizer writes it, loaded as brisk loads a file's blocks."""
     blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind.upper()])
     return from_gguf_blocks(kind, tuple(w.shape), torch.from_numpy(blocks.copy()))
+
+
+def _random_gguf(kind: str, rows: int, cols: int):
+    """Random blocks of `kind` (the gguf package quantizes no K-quant), loaded as a file's."""
+    return from_gguf_blocks(kind, (rows, cols), random_gguf_blocks(kind, rows, cols, seed=rows))
 
 
 def _same_rows(tiled, q):
@@ -180,10 +207,10 @@ def _same_rows(tiled, q):
     assert torch.equal(tiled.dequantize(), q.dequantize())
 
 
-def test_only_q8_0_and_int4_or_int5_with_a_scale_per_block_tile():
+def test_only_q8_0_q4_k_and_int4_or_int5_with_a_scale_per_block_tile():
     for q in (quantize(_weight((4, 128)), "int4", 64), quantize(_weight((4, 128)), "int8"),
-              quantize(_weight((4, 45)), "int4", 32)):
-        with pytest.raises(ValueError, match="only q8_0, and int4 or int5 with a scale per block of 32"):
+              quantize(_weight((4, 45)), "int4", 32), _random_gguf("q6_k", 4, 256)):
+        with pytest.raises(ValueError, match="only q8_0, q4_k, and int4 or int5 with a scale per block of 32"):
             tile_rows(q)
 
 
