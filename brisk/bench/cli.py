@@ -66,6 +66,17 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(so)
     so.set_defaults(func=_main_of("brisk.bench.structured"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    vb = kinds.add_parser("vocab", help="what each per-token feature costs a decode step, by vocabulary size")
+    vb.add_argument("--beside", nargs="+", default=[], metavar="MODEL",
+                    help="more models measured after --model, in columns beside it (BENCHMARKS.md: the Gemma 3 file)")
+    vb.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    vb.add_argument("--prompt-len", type=int, default=32)
+    vb.add_argument("--steps", type=int, default=20)
+    vb.add_argument("--rounds", type=int, default=3)
+    vb.add_argument("--prompt-logprobs-len", type=int, default=256)
+    add_engine_arguments(vb)
+    vb.set_defaults(func=_main_of("brisk.bench.vocab"))
+
     bt = kinds.add_parser("batching", help="offline static vs sorted vs continuous batching on MT-Bench questions")
     bt.add_argument("--modes", nargs="+", default=["static", "sorted", "continuous"],
                     choices=["static", "sorted", "continuous"])

@@ -111,6 +111,13 @@ SECTIONS = (
             ("bench", "sampling"), ("--num-prompts", "8", "--rounds", "1", "--output-len", "32")),
     Section("structured", "Structured outputs", "JSON-schema constrained outputs against free text.",
             ("bench", "structured"), ("--rounds", "1", "--batch-sizes", "1", "8", "--output-len", "32")),
+    Section("vocab", "What the vocabulary costs a step: 49,152 tokens against 262,144",
+            "The default model beside Gemma 3 270M (a 262,144-token vocabulary), each with its defaults: the decode "
+            "step greedy, then with each per-token feature on every sequence (sampling settings, penalties, "
+            "logit_bias, logprobs) as its extra time over greedy's step, the parts that scale with the vocabulary "
+            "alone (the LM head, the JSON-schema masks), and per request prompt logprobs and the tokenizer.",
+            ("bench", "vocab", "--beside", "data/gemma-3-270m-q4_k_m.gguf"),
+            ("--rounds", "1", "--steps", "5", "--batch-sizes", "1", "8", "--prompt-logprobs-len", "64")),
     Section("spec", "Speculative decoding", "Prompt lookup and self-drafts against plain decoding.",
             ("bench", "spec"), ("--methods", "ngram", "self-int4", "--num-prompts", "2", "--output-len", "32",
                                "--rounds", "1")),

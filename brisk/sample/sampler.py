@@ -83,8 +83,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32; 1 where off
     min_p: torch.Tensor  # [B] float32; 0 where off
     uniforms: torch.Tensor | None  # [B] float64, one draw per row; None when every row is greedy
-    penalties: Penalties | None  # for the rows penalty_rows only
-    penalty_rows: torch.Tensor | None  # [P] int64
+    penalties: Penalties | None  # the entries of the rows with penalties
     bans: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids): EOS/stop ids held back until min_tokens
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values): logit_bias
     grammar_rows: torch.Tensor | None  # [G] int64: the rows with a grammar
@@ -108,11 +107,10 @@ class SamplingBatch:
             min_p=column([p.min_p for p in params]),
             uniforms=None if all_greedy else uniforms(column([to_int64(r.seed) for r in rows], torch.long),
                                                       column([r.num_output_tokens for r in rows], torch.long)),
-            penalties=Penalties.from_tokens([params[i] for i in penalized],
+            penalties=Penalties.from_tokens(penalized, [params[i] for i in penalized],
                                             [rows[i].prompt_token_ids for i in penalized],
                                             [rows[i].output_token_ids for i in penalized], vocab_size, device)
             if penalized else None,
-            penalty_rows=column(penalized, torch.long) if penalized else None,
             bans=_min_tokens_bans(rows, device),
             biases=_logit_biases(params, device),
             grammar_rows=column(constrained, torch.long) if constrained else None,
@@ -129,8 +127,8 @@ class SamplingBatch:
         if self.biases is not None:
             rows, token_ids, values = self.biases
             logits.index_put_((rows, token_ids), values, accumulate=True)
-        if self.penalty_rows is not None:
-            logits[self.penalty_rows] = self.penalties.apply(logits[self.penalty_rows])
+        if self.penalties is not None:
+            self.penalties.apply(logits)
         if self.bans is not None:
             logits[self.bans] = float("-inf")
         if self.grammar_rows is not None:

@@ -36,7 +36,7 @@ def _rows(*params: SamplingParams, prompt=(1, 2, 3), output=(), seeds=None) -> l
 
 
 def _penalties(params: SamplingParams, prompt, output) -> Penalties:
-    return Penalties.from_tokens([params], [list(prompt)], [list(output)], 4, CPU)
+    return Penalties.from_tokens([0], [params], [list(prompt)], [list(output)], 4, CPU)
 
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: KernelBackend | None = None):
@@ -126,7 +126,7 @@ def test_kernel_follows_the_torch_formulation_token_for_token(rows, vocab, sprea
         top_p=mixed(1.0, torch.rand(rows, generator=g) * 0.99 + 0.01),
         min_p=mixed(0.0, torch.rand(rows, generator=g) * 0.5),
         uniforms=uniforms(torch.arange(rows), torch.zeros(rows, dtype=torch.long)),
-        penalties=None, penalty_rows=None, bans=None, biases=None, grammar_rows=None, bitmask=None,
+        penalties=None, bans=None, biases=None, grammar_rows=None, bitmask=None,
         num_logprobs=None)
     batch.top_k, batch.top_p, batch.min_p = batch.top_k.long(), batch.top_p.float(), batch.min_p.float()
     columns = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.uniforms)
@@ -236,13 +236,37 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
 
 def test_penalty_tensors_only_for_the_rows_that_use_them():
     plain = SamplingBatch.from_rows(_rows(SamplingParams(), SamplingParams()), 4, CPU)
-    mixed = SamplingBatch.from_rows(_rows(SamplingParams(), SamplingParams(presence_penalty=0.5), SamplingParams()),
-                                    4, CPU)
+    mixed = SamplingBatch.from_rows(_rows(SamplingParams(), SamplingParams(presence_penalty=0.5), SamplingParams(),
+                                          output=(2,)), 4, CPU)
     assert plain.penalties is None
-    assert mixed.penalty_rows.tolist() == [1] and mixed.penalties.presence.flatten().tolist() == [0.5]
+    # row 1's seen tokens only: the prompt's 1, 2, 3 and its output 2
+    assert mixed.penalties.rows.tolist() == [1, 1, 1] and mixed.penalties.token_ids.tolist() == [1, 2, 3]
+    assert mixed.penalties.output_counts.tolist() == [0, 1, 0]
     logits = torch.zeros(3, 4)
-    mixed.penalties.output_counts[0, 2] = 1  # as if row 1 had generated token 2
     assert mixed.adjust(logits, KernelBackend())[:, 2].tolist() == [0.0, -0.5, 0.0]
+
+
+def test_sparse_penalties_equal_the_dense_formula():
+    """Random rows, prompts and outputs over a vocabulary of 50: every logit as the dense [B, V]
+    formula (counts over the vocabulary, repetition where seen) computes it, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    vocab, batch = 50, 6
+    params = [SamplingParams(repetition_penalty=1 + i / 4, presence_penalty=i / 3 - 0.5, frequency_penalty=0.3 * i - 1)
+              for i in range(batch)]
+    prompts = [torch.randint(vocab, (int(torch.randint(0, 20, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(batch)]
+    outputs = [torch.randint(vocab, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(batch)]
+    logits = torch.randn(batch, vocab, generator=g) * 3
+    counts = torch.tensor([[o.count(t) for t in range(vocab)] for o in outputs], dtype=torch.float32)
+    seen = torch.tensor([[t in p or t in o for t in range(vocab)] for p, o in zip(prompts, outputs)])
+    column = lambda name: torch.tensor([getattr(p, name) for p in params])[:, None]  # noqa: E731
+    repetition = column("repetition_penalty")
+    expected = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    expected = torch.where(seen, expected - column("frequency_penalty") * counts
+                           - column("presence_penalty") * (counts > 0).float(), expected)
+    penalties = Penalties.from_tokens(list(range(batch)), params, prompts, outputs, vocab, CPU)
+    assert torch.equal(penalties.apply(logits.clone()), expected)
 
 
 def test_logprobs_are_raw_model_logprobs_with_ranks():
