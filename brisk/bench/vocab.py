@@ -98,6 +98,7 @@ def measure(llm: LLM, args: Namespace) -> dict:
             for setting in runs:
                 steps[setting.name].append(profile(llm, batch, args.prompt_len, args.steps, setting.params).wall * 1e3)
         hidden = torch.randn(batch, engine.hparams.hidden_size, dtype=engine.dtype)
+        head = _milliseconds(functools.partial(engine.model.compute_logits, hidden), 10)  # before llguidance's threads run
         try:
             fill, apply = mask_milliseconds(llm, OBJECTS, batch)
         except ValueError as error:  # a tokenizer llguidance cannot read: its rows say so
@@ -105,7 +106,7 @@ def measure(llm: LLM, args: Namespace) -> dict:
             fill = apply = None
         figures["batches"][batch] = {
             "steps": {name: statistics.median(values) for name, values in steps.items()},
-            "LM head": _milliseconds(functools.partial(engine.model.compute_logits, hidden), 10),
+            "LM head": head,
             "JSON-schema masks: fill": fill, "JSON-schema masks: apply": apply}
     ids = llm.tokenizer.encode(PAGE)
     plain, with_logprobs = prompt_logprobs_milliseconds(llm, args.prompt_logprobs_len)

@@ -342,7 +342,7 @@ class _Batch(ctypes.Structure):  # struct decode_batch
 # enum weight_format, quant.h
 _FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5, "int5": 6, "q4_k": 7, "q5_k": 8,
                "q6_k": 9, "mixed": 10, "int4x16": 11, "q8_0x16": 12,
-               "int5x16": 13, "q4_kx16": 14}
+               "int5x16": 13, "q4_kx16": 14, "q6_kx16": 15}
 
 
 # formats with an integer product for int8 activations (quant.h); a mixed weight has it when all
@@ -362,8 +362,8 @@ def takes_int8_activations(weight: QuantizedTensor) -> bool:
 
 
 def integer_layout(weight: QuantizedTensor) -> QuantizedTensor:
-    """The weight as the integer products read it fastest: Q8_0, Q4_K, and int4 and int5 with a
-    scale per block (GGUF's Q4 and Q5 blocks) with their rows in tiles of 16 (TILED: quant.h),
+    """The weight as the integer products read it fastest: Q8_0, Q4_K, Q6_K, and int4 and int5 with
+    a scale per block (GGUF's Q4 and Q5 blocks) with their rows in tiles of 16 (TILED: quant.h),
     every other format as it is."""
     if isinstance(weight, MixedTensor):
         return MixedTensor.of([integer_layout(part) for part in weight.parts])

@@ -40,12 +40,15 @@ INT5_BLOCK_BYTES = 20  # an int5 block's codes: u32 of fifth bits, then 16 bytes
 # int5's fifth bits a word after the nibbles, bit t of byte e for element 4t + e), then their f16
 # scales (and int4's and int5's minimums).
 TILE_ROWS = 16
-TILED = {"int4": "int4x16", "int5": "int5x16", "q8_0": "q8_0x16", "q4_k": "q4_kx16"}
+TILED = {"int4": "int4x16", "int5": "int5x16", "q8_0": "q8_0x16", "q4_k": "q4_kx16", "q6_k": "q6_kx16"}
 K_BLOCKS = 8  # blocks of 32 in a K-quant super-block
-# bytes per block of a tile (q4_kx16: a share of its super-block's: 8 blocks' records, then d and dmin)
+_TILE_WORDS = {"int4x16": 4, "int5x16": 5, "q8_0x16": 8, "q4_kx16": 4, "q6_kx16": 6}  # of 4 code bytes per row and block
+# bytes per block of a tile (a K-quant's: a share of its super-block's, 8 blocks' records of codes and
+# two bytes of scales per row, then the f16 super-block scales: Q4_K's d and dmin, Q6_K's d)
 TILE_BLOCK_BYTES = {"int4x16": TILE_ROWS * (BLOCK // 2 + 4), "int5x16": TILE_ROWS * (INT5_BLOCK_BYTES + 4),
-                    "q8_0x16": TILE_ROWS * (BLOCK + 2), "q4_kx16": TILE_ROWS * (BLOCK // 2 + 2) + 4 * TILE_ROWS // K_BLOCKS}
-_TILE_WORDS = {"int4x16": 4, "int5x16": 5, "q8_0x16": 8}  # words of 4 code bytes per row and block
+                    "q8_0x16": TILE_ROWS * (BLOCK + 2),
+                    **{k: TILE_ROWS * (4 * _TILE_WORDS[k] + 2) + halves * 2 * TILE_ROWS // K_BLOCKS
+                       for k, halves in (("q4_kx16", 2), ("q6_kx16", 1))}}
 
 
 @dataclass(frozen=True)
@@ -167,17 +170,17 @@ def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
 def tiles_rows(weight: QuantizedTensor) -> bool:
     """Whether `weight` has a tiled layout (TILED): Q8_0 or Q4_K, or int4/int5 with a scale per
     block of 32 and rows of whole blocks."""
-    return (weight.format in ("q8_0", "q4_k") or weight.format in ("int4", "int5") and weight.group_size == BLOCK
+    return (weight.format in ("q8_0", "q4_k", "q6_k") or weight.format in ("int4", "int5") and weight.group_size == BLOCK
             and weight.shape[1] % BLOCK == 0)
 
 
 def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
-    """int4, int5, q8_0 or q4_k (tiles_rows) -> int4x16, int5x16, q8_0x16 or q4_kx16: the same
-    codes and scales (q8_0's codes + 128, int5's fifth bits regrouped, q4_k's nibbles paired per
-    block and its 6-bit scales as bytes), rows interleaved by TILE_ROWS, the last tile padded with
-    zero rows. kernels/quant.h, "tiles of 16 rows", has the layouts."""
+    """int4, int5, q8_0, q4_k or q6_k (tiles_rows) -> TILED[format]: the same codes and scales
+    (q8_0's codes + 128, int5's fifth bits and q6_k's high two regrouped by word, the K-quants'
+    nibbles paired per block and q4_k's 6-bit scales as bytes), rows interleaved by TILE_ROWS, the
+    last tile padded with zero rows. kernels/quant.h, "tiles of 16 rows", has the layouts."""
     if not tiles_rows(weight):
-        raise ValueError(f"only q8_0, q4_k, and int4 or int5 with a scale per block of {BLOCK} and rows of whole "
+        raise ValueError(f"only q8_0, q4_k, q6_k, and int4 or int5 with a scale per block of {BLOCK} and rows of whole "
                          f"blocks, can be tiled, not {weight.format} (group {weight.group_size}, {weight.shape[1]} "
                          "columns)")
     rows, cols = weight.shape
@@ -193,16 +196,25 @@ def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
         pairs = _bit_planes(stored[:, :, 16:].reshape(-1, 4, 32), 4).reshape(rows, blocks, 2, 16)
         codes = pairs[:, :, 0] | pairs[:, :, 1] << 4  # element t low, t + 16 high, as int4's
         fields = [each(t, 1) for t in _k_scale_bytes(stored[:, :, 4:16].reshape(-1, 12))]
+        head = [stored[:, :, 0:2], stored[:, :, 2:4]]
+    elif weight.format == "q6_k":
+        stored = weight.data.view(rows, -1, GGUF_BLOCK_BYTES["q6_k"])
+        values = _q6_k_codes(stored.reshape(-1, GGUF_BLOCK_BYTES["q6_k"])).view(rows, blocks, 2, 16)
+        high = (values >> 4).view(rows, blocks, 2, 4, 4)  # [.., half, word t, byte e]: 2 bits each
+        planes = (high << torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]).sum(3, dtype=torch.uint8)
+        codes = torch.cat([(values[:, :, 0] & 15) | (values[:, :, 1] & 15) << 4, planes.view(rows, blocks, 8)], dim=2)
+        scales = stored[:, :, 192:208].reshape(rows, blocks, 2)  # a signed byte per 16 columns
+        fields = [each(scales[:, :, 0], 1), each(scales[:, :, 1], 1)]
+        head = [stored[:, :, 208:210]]
     else:
         codes = weight.data.view(rows, blocks, -1)
         if weight.format == "int5":  # {u32 fifth bits, nibbles} -> {nibbles, fifth bits by word}
             codes = torch.cat([codes[:, :, 4:], _fifth_bits_by_word(codes[:, :, :4])], dim=2)
         fields = [halves(weight.scales), halves(weight.mins)]
     data = torch.cat([_to_lanes(f, tiles) for f in (codes.reshape(rows, blocks, -1, 4), *fields)], dim=2)
-    if weight.format == "q4_k":  # [tiles, blocks, record] -> [tiles, supers, 8 records, then d and dmin]
+    if weight.format in K_QUANTS:  # [tiles, blocks, record] -> [tiles, supers, 8 records, then the f16 scales]
         supers = stored.shape[1]
-        data = torch.cat([data.view(tiles, supers, -1), *(_to_lanes(each(stored[:, :, a:a + 2], 2), tiles)
-                                                          for a in (0, 2))], dim=2)
+        data = torch.cat([data.view(tiles, supers, -1), *(_to_lanes(each(h, 2), tiles) for h in head)], dim=2)
     return QuantizedTensor(TILED[weight.format], weight.shape, data.reshape(tiles, -1).contiguous(), group_size=BLOCK)
 
 
@@ -213,20 +225,29 @@ def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> Q
     tile, lane, n = index // TILE_ROWS, index % TILE_ROWS, len(index)
     blocks = cols // BLOCK
     lanes = lambda part, width: _from_lanes(part, width, tile, lane)  # noqa: E731  [n, blocks, fields, width]
-    if weight.format == "q4_kx16":
-        supers = blocks // K_BLOCKS
-        data = weight.data.view(-1, supers, TILE_BLOCK_BYTES["q4_kx16"] * K_BLOCKS)
-        record = TILE_ROWS * (BLOCK // 2 + 2)
+    if weight.format in ("q4_kx16", "q6_kx16"):
+        supers, code_bytes = blocks // K_BLOCKS, 4 * _TILE_WORDS[weight.format]
+        data = weight.data.view(-1, supers, TILE_BLOCK_BYTES[weight.format] * K_BLOCKS)
+        record = TILE_ROWS * (code_bytes + 2)
         body = data[:, :, :K_BLOCKS * record].reshape(-1, blocks, record)
-        nibbles = lanes(body[:, :, :TILE_ROWS * 16], 4).reshape(n, supers, K_BLOCKS // 2, 2, 16)
-        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=4)  # [n, supers, pairs, block of pair, 32]
-        scales, mins = (lanes(body[:, :, a:a + TILE_ROWS], 1).reshape(-1, K_BLOCKS)
-                        for a in (TILE_ROWS * 16, TILE_ROWS * 17))
-        d, dmin = (lanes(data[:, :, a:a + 2 * TILE_ROWS], 2).reshape(n, supers, 2)
-                   for a in (K_BLOCKS * record, K_BLOCKS * record + 2 * TILE_ROWS))
-        qs = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).reshape(n, supers, 128)
-        stored = torch.cat([d, dmin, _k_scales_packed(scales, mins).view(n, supers, 12), qs], dim=2)
-        return QuantizedTensor("q4_k", (n, cols), stored.reshape(n, -1))
+        codes = lanes(body[:, :, :TILE_ROWS * code_bytes], 4).reshape(n, supers, K_BLOCKS, code_bytes)
+        nibbles = codes[..., :16]
+        low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3)  # [n, supers, blocks, 32]: each code's low 4 bits
+        first, second = (lanes(body[:, :, a:a + TILE_ROWS], 1).reshape(n, supers, K_BLOCKS)
+                         for a in (TILE_ROWS * code_bytes, TILE_ROWS * (code_bytes + 1)))
+        halves = [lanes(data[:, :, a:a + 2 * TILE_ROWS], 2).reshape(n, supers, 2)
+                  for a in range(K_BLOCKS * record, data.shape[2], 2 * TILE_ROWS)]
+        if weight.format == "q4_kx16":
+            qs = (low[:, :, 0::2] | low[:, :, 1::2] << 4).reshape(n, supers, 128)  # blocks 2k low, 2k + 1 high
+            packed = _k_scales_packed(first.reshape(-1, K_BLOCKS), second.reshape(-1, K_BLOCKS)).view(n, supers, 12)
+            stored = torch.cat([*halves, packed, qs], dim=2)
+        else:
+            planes = codes[..., 16:].reshape(n, supers, K_BLOCKS, 2, 1, 4)  # [.., half, word t, byte e]
+            high = (planes >> torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]) & 3
+            values = (low | high.reshape(n, supers, K_BLOCKS, 32) << 4).reshape(-1, 256)
+            scales = torch.stack([first, second], dim=3).reshape(n, supers, 16)
+            stored = torch.cat([_q6_k_packed(values).view(n, supers, -1), scales, halves[0]], dim=2)
+        return QuantizedTensor(weight.format[:4], (n, cols), stored.reshape(n, -1))
     words = _TILE_WORDS[weight.format]
     data = weight.data.view(-1, blocks, TILE_BLOCK_BYTES[weight.format])
     at = TILE_ROWS * words * 4  # where the scales start
@@ -340,12 +361,28 @@ def _q4_k(b: torch.Tensor, fifth: torch.Tensor | None = None) -> torch.Tensor:
     return (d * codes.float() - (_half(b, 2).float() * mins)[:, :, None]).reshape(n, 256)
 
 
+def _q6_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks -> their codes [n, 256] in 0..63 (uint8)."""
+    n = len(b)
+    low = _bit_planes(b[:, :128].reshape(n, 2, 64), 4).reshape(n, 256)
+    return low | _bit_planes(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 256) << 4
+
+
+def _q6_k_packed(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q6_k_codes for the codes: [n, 256] -> Q6_K's ql [n, 128] and qh [n, 64]."""
+    n = len(codes)
+    halves = codes.view(n, 2, 4, 32)  # [n, half of 128, quarter, 32]
+    low = halves & 15
+    ql = (low[:, :, 0:2] | low[:, :, 2:4] << 4).reshape(n, 128)  # quarters 0, 1 low; 2, 3 high
+    high = halves >> 4
+    qh = (high << torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8).reshape(n, 64)
+    return torch.cat([ql, qh], dim=1)
+
+
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     """Q6_K super-blocks -> [n, 256]: per 16 columns d sc (q - 32)."""
     n = len(b)
-    low = _bit_planes(b[:, :128].reshape(n, 2, 64), 4).reshape(n, 8, 32)
-    high = _bit_planes(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32)
-    codes = ((low | (high << 4)).to(torch.int16) - 32).float().view(n, 16, 16)
+    codes = (_q6_k_codes(b).to(torch.int16) - 32).float().view(n, 16, 16)
     d = _half(b, 208).float() * b[:, 192:208].contiguous().view(torch.int8).float()
     return (d[:, :, None] * codes).reshape(n, 256)
 

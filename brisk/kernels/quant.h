@@ -26,8 +26,9 @@
  *   WEIGHT_Q6_K   {u8 ql[128]; u8 qh[64]; int8 sc[16]; f16 d}        w = d * sc_s * (q - 32), a
  *                                                                      scale per 16 columns
  *   WEIGHT_MIXED  parts: row ranges of the matrix, each a weight in its own format
- *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16  int4 with a scale per block,
- *                 int5, Q8_0 and Q4_K, rows interleaved in tiles of 16 (see "tiles of 16 rows")
+ *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16, WEIGHT_Q6_KX16  int4 with a
+ *                 scale per block, int5, Q8_0, Q4_K and Q6_K, rows interleaved in tiles of 16 (see
+ *                 "tiles of 16 rows")
  *
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and
  * element t + 16 in its high half. A group (int4, nf4) is 32, 64 or 128 columns. A GGUF file's
@@ -86,6 +87,7 @@ enum weight_format {
     WEIGHT_Q8_0X16 = 12,
     WEIGHT_INT5X16 = 13,
     WEIGHT_Q4_KX16 = 14,
+    WEIGHT_Q6_KX16 = 15,
 };
 
 struct weight {
@@ -1442,9 +1444,9 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 
 /* ---- tiles of 16 rows: the integer products' own layouts -------------------------------------
  *
- * WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16 and WEIGHT_Q4_KX16 are int4 with a scale per block
- * (GGUF's Q4_0 and Q4_1, int4 at group 32), int5 (Q5_0 and Q5_1), GGUF's Q8_0 and Q4_K with their
- * rows interleaved the way the integer products read them;
+ * WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16 and WEIGHT_Q6_KX16 are int4 with a
+ * scale per block (GGUF's Q4_0 and Q4_1, int4 at group 32), int5 (Q5_0 and Q5_1), and GGUF's Q8_0,
+ * Q4_K and Q6_K with their rows interleaved the way the integer products read them;
  * quant/modules.py lays a weight out so once it takes int8 activations on a CPU (the file's
  * bytes, reordered). Tile T holds rows 16 T .. 16 T + 15, and per block b:
  *
@@ -1458,6 +1460,12 @@ DEFINE_QMATVEC_A8(q6_k, 0)
  *                        words, the blocks' 6-bit scales sc [16] and minimums m [16] as bytes),
  *                        then the rows' d [16] and dmin [16] in f16: w = d sc code - dmin m. 296
  *                        bytes a block; the file's scales unpacked (its 12 bytes of 6-bit fields)
+ *   q6_kx16              per super-block: 8 records of 416 bytes (int4x16's words of each code's
+ *                        low 4 bits, then two words of their high 2 bits: byte e of lane l holds in
+ *                        bits 2t, 2t + 1 those of element 4t + e, the second word of 16 + 4t + e;
+ *                        then the signed scales of the block's halves, sc_lo [16] and sc_hi [16]),
+ *                        then d [16] in f16: w = d sc_half (code - 32). 420 bytes a block, the
+ *                        file's 210 per 256 columns of a row
  *   q8_0x16, 544 bytes   codes [8 words][16 lanes][4 bytes]: word t of lane l is elements 4t .. 4t + 3
  *                        of row 16 T + l's block, each + 128 (unsigned), then d [16] in f16: w = d * q
  *
@@ -1468,7 +1476,9 @@ DEFINE_QMATVEC_A8(q6_k, 0)
  * crosses lanes, where the row-major decode product reduced 16 lanes per row. The + 128 of q8_0's
  * codes is taken back as an offset, -128 d per unit of x's sum (xs), as the panels do; AVX2's
  * `maddubs` would overflow on it, so there the codes are turned back to signed and multiplied as
- * |c| by x with c's sign. Measured on an AMD EPYC (Zen 4, AVX-512 VNNI, 2 threads), SmolLM2's 120
+ * |c| by x with c's sign. Q6_K's scale per 16 columns splits each block's sum into its halves
+ * (words 0..3 and 4..7), and its codes' - 32 comes off each half as 32 x the half's sum of x
+ * (vpdpbusd of ones against the same broadcast words). Measured on an AMD EPYC (Zen 4, AVX-512 VNNI, 2 threads), SmolLM2's 120
  * layer products alone: 1.6 ms a token instead of 2.9; its decode steps in the engine: one
  * sequence 5.65 -> 4.25 ms, 32 sequences 52 -> 47 ms (against the panel product with its
  * packing). So one product serves every number of rows: the decode half (qmatvec_a8_<fmt>x16)
@@ -1481,22 +1491,38 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 #define X16_BYTES_int5x16 384
 #define X16_BYTES_q8_0x16 544
 #define X16_BYTES_q4_kx16 296
+#define X16_BYTES_q6_kx16 420
 #define X16_SCALES_int4x16 256 /* where d starts in a block; int4's and int5's minimums follow */
 #define X16_SCALES_int5x16 320
 #define X16_SCALES_q8_0x16 512
 #define X16_FIFTH 256 /* where int5x16's fifth bits start in a block */
-#define X16_KQ_RECORD 288 /* a q4_kx16 block's codes, sc and m; a super-block's 8, then d and dmin */
-#define X16_KQ_SUPER (QK_BLOCKS * X16_KQ_RECORD + 4 * X16_ROWS)
+#define X16_Q4K_RECORD 288 /* a q4_kx16 block's codes, sc and m; a super-block's 8, then d and dmin */
+#define X16_Q4K_SUPER (QK_BLOCKS * X16_Q4K_RECORD + 4 * X16_ROWS)
+#define X16_Q6K_RECORD 416 /* a q6_kx16 block's codes, high bits and scales; a super-block's 8, then d */
+#define X16_Q6K_SUPER (QK_BLOCKS * X16_Q6K_RECORD + 2 * X16_ROWS)
+#define X16_Q6K_HIGH 256 /* where a q6_kx16 record's high bits start, its two scales at 384 and 400 */
 /* Where block b starts in its tile */
 #define X16_AT_int4x16(b) ((b) * X16_BYTES_int4x16)
 #define X16_AT_int5x16(b) ((b) * X16_BYTES_int5x16)
 #define X16_AT_q8_0x16(b) ((b) * X16_BYTES_q8_0x16)
-#define X16_AT_q4_kx16(b) ((b) / QK_BLOCKS * X16_KQ_SUPER + (b) % QK_BLOCKS * X16_KQ_RECORD)
+#define X16_AT_q4_kx16(b) ((b) / QK_BLOCKS * X16_Q4K_SUPER + (b) % QK_BLOCKS * X16_Q4K_RECORD)
+#define X16_AT_q6_kx16(b) ((b) / QK_BLOCKS * X16_Q6K_SUPER + (b) % QK_BLOCKS * X16_Q6K_RECORD)
+/* A K-quant block's super-block scales, after its super-block's records */
+#define X16_SUPER_q4_kx16(tile, b) ((tile) + (b) / QK_BLOCKS * X16_Q4K_SUPER + QK_BLOCKS * X16_Q4K_RECORD)
+#define X16_SUPER_q6_kx16(tile, b) ((tile) + (b) / QK_BLOCKS * X16_Q6K_SUPER + QK_BLOCKS * X16_Q6K_RECORD)
 #define x16_codes_q4_kx16 x16_codes_int4x16
+/* X16_SIGNED: codes stored + 128, signed again on AVX2. X16_HALVES: a scale per half block (each
+ * half's sum apart), codes - 32. */
 #define X16_SIGNED_int4x16 0
 #define X16_SIGNED_int5x16 0
 #define X16_SIGNED_q8_0x16 1
 #define X16_SIGNED_q4_kx16 0
+#define X16_SIGNED_q6_kx16 0
+#define X16_HALVES_int4x16 0
+#define X16_HALVES_int5x16 0
+#define X16_HALVES_q8_0x16 0
+#define X16_HALVES_q4_kx16 0
+#define X16_HALVES_q6_kx16 1
 
 /* out[i][l] = row l of a tile times activation row i, for ROWS rows (x rounded per block: xq
  * codes, xd scales and xs = xd * sum of codes, `full` blocks per row). */
@@ -1523,30 +1549,58 @@ static inline void x16_codes_int5x16(const uint8_t *p, __m512i c[8]) {
 static inline void x16_codes_q8_0x16(const uint8_t *p, __m512i c[8]) {
     for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(p + 64 * t));
 }
-/* Block b's 16 scales d and offsets o (per unit of x's sum, xs), its record at p in `tile` */
+/* Q6_K: int4's codes with bits 2t, 2t + 1 of a high-bits word's bytes moved to bits 4, 5 */
+static inline void x16_codes_q6_kx16(const uint8_t *p, __m512i c[8]) {
+    const __m512i bits = _mm512_set1_epi8(0x30);
+    x16_codes_int4x16(p, c);
+    for (int h = 0; h < 2; h++) {
+        const __m512i high = _mm512_loadu_si512((const void *)(p + X16_Q6K_HIGH + 64 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m512i moved = t < 3 ? _mm512_slli_epi16(high, 4 - 2 * t) : _mm512_srli_epi16(high, 2);
+            c[4 * h + t] = _mm512_ternarylogic_epi32(c[4 * h + t], moved, bits, 0xF8);
+        }
+    }
+}
+/* Block b's 16 scales d (X16_HALVES: the first half's, and hi the second's) and offsets o (per unit
+ * of x's sum, xs), its record at p in `tile` */
 static inline __m512 x16_halves(const uint8_t *at) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)); }
-static inline void x16_scales_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
-    (void)tile, (void)b;
+static inline void x16_scales_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *hi,
+                                     __m512 *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_halves(p + X16_SCALES_int4x16);
     *o = x16_halves(p + X16_SCALES_int4x16 + 2 * X16_ROWS);
 }
-static inline void x16_scales_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
-    (void)tile, (void)b;
+static inline void x16_scales_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *hi,
+                                     __m512 *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_halves(p + X16_SCALES_int5x16);
     *o = x16_halves(p + X16_SCALES_int5x16 + 2 * X16_ROWS);
 }
-static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
-    (void)tile, (void)b;
+static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *hi,
+                                     __m512 *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_halves(p + X16_SCALES_q8_0x16);
     *o = _mm512_mul_ps(*d, _mm512_set1_ps(-128.0f));
 }
 static inline __m512 x16_bytes(const uint8_t *at) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)));
 }
-static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *o) {
-    const uint8_t *super = tile + b / QK_BLOCKS * X16_KQ_SUPER + QK_BLOCKS * X16_KQ_RECORD;
+static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *hi,
+                                      __m512 *o) {
+    (void)hi;
+    const uint8_t *super = X16_SUPER_q4_kx16(tile, b);
     *d = _mm512_mul_ps(x16_halves(super), x16_bytes(p + 256));
     *o = _mm512_mul_ps(x16_halves(super + 2 * X16_ROWS), _mm512_sub_ps(_mm512_setzero_ps(), x16_bytes(p + 272)));
+}
+static inline __m512 x16_signed_bytes(const uint8_t *at) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
+}
+static inline void x16_scales_q6_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *hi,
+                                      __m512 *o) {
+    const __m512 super = x16_halves(X16_SUPER_q6_kx16(tile, b));
+    *d = _mm512_mul_ps(super, x16_signed_bytes(p + X16_Q6K_HIGH + 128));
+    *hi = _mm512_mul_ps(super, x16_signed_bytes(p + X16_Q6K_HIGH + 144));
+    *o = _mm512_setzero_ps();
 }
 
 #define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
@@ -1558,21 +1612,30 @@ static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint
         for (int64_t b = 0; b < full; b++) {                                                              \
             const uint8_t *p = tile + X16_AT_##FMT(b);                                                    \
             __m512i c[8];                                                                                 \
-            __m512 d, o;                                                                                  \
+            __m512 d, hi, o;                                                                              \
             x16_codes_##FMT(p, c);                                                                        \
-            x16_scales_##FMT(tile, b, p, &d, &o);                                                         \
+            x16_scales_##FMT(tile, b, p, &d, &hi, &o);                                                    \
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const int8_t *x = xq + (i * full + b) * QBLOCK;                                           \
-                /* a row alone sums in two chains, so its 8 products do not wait on each other */        \
-                __m512i dot = _mm512_setzero_si512(), dot2 = _mm512_setzero_si512();                      \
+                /* the halves sum in two chains, so a row's 8 products do not wait on each other */       \
+                __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};                       \
+                __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};                       \
                 for (int t = 0; t < 8; t++) {                                                             \
                     const __m512i xv = _mm512_set1_epi32(qg_word(x + 4 * t));                             \
-                    if (ROWS == 1 && t >= 4) dot2 = _mm512_dpbusd_epi32(dot2, c[t], xv);                  \
-                    else dot = _mm512_dpbusd_epi32(dot, c[t], xv);                                        \
+                    dot[t / 4] = _mm512_dpbusd_epi32(dot[t / 4], c[t], xv);                               \
+                    if (X16_HALVES_##FMT) sum[t / 4] = _mm512_dpbusd_epi32(sum[t / 4], _mm512_set1_epi8(1), xv); \
                 }                                                                                         \
-                const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xd[i * full + b]));                     \
-                acc[i] = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(_mm512_add_epi32(dot, dot2)), acc[i]);    \
-                acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[i * full + b]), acc[i]);                    \
+                const __m512 xdv = _mm512_set1_ps(xd[i * full + b]);                                      \
+                if (X16_HALVES_##FMT) {                                                                   \
+                    for (int h = 0; h < 2; h++) /* codes - 32 */                                          \
+                        dot[h] = _mm512_sub_epi32(dot[h], _mm512_slli_epi32(sum[h], 5));                  \
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, xdv), _mm512_cvtepi32_ps(dot[0]), acc[i]);  \
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(hi, xdv), _mm512_cvtepi32_ps(dot[1]), acc[i]); \
+                } else {                                                                                  \
+                    const __m512 both = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1]));             \
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, xdv), both, acc[i]);                        \
+                    acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[i * full + b]), acc[i]);                \
+                }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
         for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(out[i], acc[i]);                                  \
@@ -1586,6 +1649,7 @@ static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint
 #define X16_WIDEN_int5x16 4
 #define X16_WIDEN_q8_0x16 1
 #define X16_WIDEN_q4_kx16 8
+#define X16_WIDEN_q6_kx16 2 /* 2 x 2 x 63 x 127 */
 static inline void x16_codes_int4x16(const uint8_t *p, int h, __m256i c[8]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < 4; t++) {
@@ -1602,34 +1666,60 @@ static inline void x16_codes_int5x16(const uint8_t *p, int h, __m256i c[8]) {
         c[t + 4] = _mm256_or_si256(c[t + 4], _mm256_and_si256(_mm256_srli_epi16(fifth, t), bit4));
     }
 }
+static inline void x16_codes_q6_kx16(const uint8_t *p, int h, __m256i c[8]) {
+    const __m256i bits = _mm256_set1_epi8(0x30);
+    x16_codes_int4x16(p, h, c);
+    for (int w = 0; w < 2; w++) {
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(p + X16_Q6K_HIGH + 64 * w + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m256i moved = t < 3 ? _mm256_slli_epi16(high, 4 - 2 * t) : _mm256_srli_epi16(high, 2);
+            c[4 * w + t] = _mm256_or_si256(c[4 * w + t], _mm256_and_si256(moved, bits));
+        }
+    }
+}
 static inline void x16_codes_q8_0x16(const uint8_t *p, int h, __m256i c[8]) {
     for (int t = 0; t < 8; t++)
         c[t] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h)), _mm256_set1_epi8(-128));
 }
-/* Half h's 8 scales d and offsets o (q8_0's codes are signed again here: none) */
+/* Half h's 8 scales d (and hi), offsets o (q8_0's codes are signed again here: none) */
 static inline __m256 x16_halves(const uint8_t *at) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at)); }
-static inline void x16_scales_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
-    (void)tile, (void)b;
+static inline void x16_scales_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d,
+                                     __m256 *hi, __m256 *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_halves(p + X16_SCALES_int4x16 + 16 * h);
     *o = x16_halves(p + X16_SCALES_int4x16 + 2 * X16_ROWS + 16 * h);
 }
-static inline void x16_scales_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
-    (void)tile, (void)b;
+static inline void x16_scales_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d,
+                                     __m256 *hi, __m256 *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_halves(p + X16_SCALES_int5x16 + 16 * h);
     *o = x16_halves(p + X16_SCALES_int5x16 + 2 * X16_ROWS + 16 * h);
 }
-static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
-    (void)tile, (void)b;
+static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d,
+                                     __m256 *hi, __m256 *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_halves(p + X16_SCALES_q8_0x16 + 16 * h);
     *o = _mm256_setzero_ps();
 }
 static inline __m256 x16_bytes(const uint8_t *at) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at)));
 }
-static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d, __m256 *o) {
-    const uint8_t *super = tile + b / QK_BLOCKS * X16_KQ_SUPER + QK_BLOCKS * X16_KQ_RECORD;
+static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d,
+                                      __m256 *hi, __m256 *o) {
+    (void)hi;
+    const uint8_t *super = X16_SUPER_q4_kx16(tile, b);
     *d = _mm256_mul_ps(x16_halves(super + 16 * h), x16_bytes(p + 256 + 8 * h));
     *o = _mm256_mul_ps(x16_halves(super + 2 * X16_ROWS + 16 * h), _mm256_sub_ps(_mm256_setzero_ps(), x16_bytes(p + 272 + 8 * h)));
+}
+static inline __m256 x16_signed_bytes(const uint8_t *at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
+}
+static inline void x16_scales_q6_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d,
+                                      __m256 *hi, __m256 *o) {
+    const __m256 super = x16_halves(X16_SUPER_q6_kx16(tile, b) + 16 * h);
+    *d = _mm256_mul_ps(super, x16_signed_bytes(p + X16_Q6K_HIGH + 128 + 8 * h));
+    *hi = _mm256_mul_ps(super, x16_signed_bytes(p + X16_Q6K_HIGH + 144 + 8 * h));
+    *o = _mm256_setzero_ps();
 }
 
 #define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
@@ -1643,29 +1733,44 @@ static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint
             for (int64_t b = 0; b < full; b++) {                                                          \
                 const uint8_t *p = tile + X16_AT_##FMT(b);                                                \
                 __m256i c[8], magnitude[8];                                                               \
-                __m256 d, o;                                                                              \
+                __m256 d, hi, o;                                                                          \
                 x16_codes_##FMT(p, h, c);                                                                 \
                 if (X16_SIGNED_##FMT)                                                                     \
                     for (int t = 0; t < 8; t++) magnitude[t] = _mm256_abs_epi8(c[t]);                     \
-                x16_scales_##FMT(tile, b, p, h, &d, &o);                                                  \
+                x16_scales_##FMT(tile, b, p, h, &d, &hi, &o);                                             \
                 for (int i = 0; i < ROWS; i++) {                                                          \
                     const int8_t *x = xq + (i * full + b) * QBLOCK;                                       \
-                    __m256i dot = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();                 \
+                    __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                    \
+                    __m256i pairs = _mm256_setzero_si256(), sums = _mm256_setzero_si256();                \
                     for (int t = 0; t < 8; t++) {                                                         \
                         const __m256i xv = _mm256_set1_epi32(qg_word(x + 4 * t));                         \
                         if (X16_SIGNED_##FMT)                                                             \
-                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(                                \
+                            dot[t / 4] = _mm256_add_epi32(dot[t / 4], _mm256_madd_epi16(                  \
                                 _mm256_maddubs_epi16(magnitude[t], _mm256_sign_epi8(xv, c[t])), ones));   \
                         else                                                                              \
                             pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(c[t], xv));              \
                         if (!X16_SIGNED_##FMT && (t + 1) % X16_WIDEN_##FMT == 0) {                        \
-                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));                  \
+                            dot[t / 4] = _mm256_add_epi32(dot[t / 4], _mm256_madd_epi16(pairs, ones));    \
                             pairs = _mm256_setzero_si256();                                               \
                         }                                                                                 \
+                        if (X16_HALVES_##FMT) { /* the half's sum of x, in int16 (4 x 2 x 127) */         \
+                            sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(_mm256_set1_epi8(1), xv)); \
+                            if (t % 4 == 3) {                                                             \
+                                dot[t / 4] = _mm256_sub_epi32(dot[t / 4],                                 \
+                                    _mm256_slli_epi32(_mm256_madd_epi16(sums, ones), 5)); /* codes - 32 */ \
+                                sums = _mm256_setzero_si256();                                            \
+                            }                                                                             \
+                        }                                                                                 \
                     }                                                                                     \
-                    const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * full + b]));                 \
-                    acc[i] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(dot), acc[i]);                        \
-                    acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[i * full + b]), acc[i]);                \
+                    const __m256 xdv = _mm256_set1_ps(xd[i * full + b]);                                  \
+                    if (X16_HALVES_##FMT) {                                                               \
+                        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, xdv), _mm256_cvtepi32_ps(dot[0]), acc[i]); \
+                        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(hi, xdv), _mm256_cvtepi32_ps(dot[1]), acc[i]); \
+                    } else {                                                                              \
+                        const __m256 both = _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1]));         \
+                        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, xdv), both, acc[i]);                    \
+                        acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[i * full + b]), acc[i]);            \
+                    }                                                                                     \
                 }                                                                                         \
             }                                                                                             \
             for (int i = 0; i < ROWS; i++) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);                      \
@@ -1681,34 +1786,51 @@ static inline int32_t x16_code_int5x16(const uint8_t *p, int t, int l, int e) {
     return x16_code_int4x16(p, t, l, e) | (p[X16_FIFTH + 4 * l + e] >> t & 1) << 4;
 }
 #define x16_code_q4_kx16 x16_code_int4x16
+static inline int32_t x16_code_q6_kx16(const uint8_t *p, int t, int l, int e) { /* code - 32 */
+    const uint8_t high = p[X16_Q6K_HIGH + 64 * (t / 4) + 4 * l + e] >> (2 * (t % 4)) & 3;
+    return (x16_code_int4x16(p, t, l, e) | high << 4) - 32;
+}
 static inline int32_t x16_code_q8_0x16(const uint8_t *p, int t, int l, int e) {
     return (int8_t)(p[64 * t + 4 * l + e] ^ 0x80);
 }
-/* Lane l's scale d and offset o (per unit of xs) for block b, its record at p in `tile` */
+/* Lane l's scale d (X16_HALVES: the first half's, hi the second's) and offset o (per unit of xs)
+ * for block b, its record at p in `tile` */
 static inline float x16_half(const uint8_t *at) {
     uint16_t h;
     memcpy(&h, at, 2);
     return load_f16_scalar(h);
 }
-static inline void x16_scale_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
-    (void)tile, (void)b;
+static inline void x16_scale_int4x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
+                                    float *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_half(p + X16_SCALES_int4x16 + 2 * l);
     *o = x16_half(p + X16_SCALES_int4x16 + 2 * X16_ROWS + 2 * l);
 }
-static inline void x16_scale_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
-    (void)tile, (void)b;
+static inline void x16_scale_int5x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
+                                    float *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_half(p + X16_SCALES_int5x16 + 2 * l);
     *o = x16_half(p + X16_SCALES_int5x16 + 2 * X16_ROWS + 2 * l);
 }
-static inline void x16_scale_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
-    (void)tile, (void)b;
+static inline void x16_scale_q8_0x16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
+                                    float *o) {
+    (void)tile, (void)b, (void)hi;
     *d = x16_half(p + X16_SCALES_q8_0x16 + 2 * l);
     *o = 0.0f;
 }
-static inline void x16_scale_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *o) {
-    const uint8_t *super = tile + b / QK_BLOCKS * X16_KQ_SUPER + QK_BLOCKS * X16_KQ_RECORD;
+static inline void x16_scale_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
+                                     float *o) {
+    (void)hi;
+    const uint8_t *super = X16_SUPER_q4_kx16(tile, b);
     *d = x16_half(super + 2 * l) * (float)p[256 + l];
     *o = -x16_half(super + 2 * X16_ROWS + 2 * l) * (float)p[272 + l];
+}
+static inline void x16_scale_q6_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
+                                     float *o) {
+    const float super = x16_half(X16_SUPER_q6_kx16(tile, b) + 2 * l);
+    *d = super * (float)(int8_t)p[X16_Q6K_HIGH + 128 + l];
+    *hi = super * (float)(int8_t)p[X16_Q6K_HIGH + 144 + l];
+    *o = 0.0f;
 }
 
 #define DEFINE_X16_TILE(FMT, ROWS)                                                                        \
@@ -1722,12 +1844,14 @@ static inline void x16_scale_q4_kx16(const uint8_t *tile, int64_t b, const uint8
             for (int i = 0; i < ROWS; i++) {                                                              \
                 const int8_t *x = xq + (i * full + b) * QBLOCK;                                           \
                 for (int l = 0; l < X16_ROWS; l++) {                                                      \
-                    int32_t dot = 0;                                                                      \
+                    int32_t dot[2] = {0, 0};                                                              \
                     for (int t = 0; t < 8; t++)                                                           \
-                        for (int e = 0; e < 4; e++) dot += x16_code_##FMT(p, t, l, e) * x[4 * t + e];     \
-                    float d, o;                                                                           \
-                    x16_scale_##FMT(tile, b, p, l, &d, &o);                                               \
-                    out[i][l] += d * xd[i * full + b] * (float)dot + o * xs[i * full + b];                \
+                        for (int e = 0; e < 4; e++) dot[t / 4] += x16_code_##FMT(p, t, l, e) * x[4 * t + e]; \
+                    float d, hi, o;                                                                       \
+                    x16_scale_##FMT(tile, b, p, l, &d, &hi, &o);                                          \
+                    out[i][l] += X16_HALVES_##FMT ? (d * (float)dot[0] + hi * (float)dot[1]) * xd[i * full + b] \
+                                                  : d * xd[i * full + b] * (float)(dot[0] + dot[1])       \
+                                                    + o * xs[i * full + b];                               \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
@@ -1781,6 +1905,7 @@ static inline void x16_scale_q4_kx16(const uint8_t *tile, int64_t b, const uint8
 DEFINE_X16(int4x16)
 DEFINE_X16(int5x16)
 DEFINE_X16(q4_kx16)
+DEFINE_X16(q6_kx16)
 DEFINE_X16(q8_0x16)
 
 #define QUANT_DISPATCH(W, CALL)                                                                           \
@@ -1810,6 +1935,7 @@ DEFINE_X16(q8_0x16)
     case WEIGHT_INT4X16: CALL(int4x16); break;                                                            \
     case WEIGHT_INT5X16: CALL(int5x16); break;                                                            \
     case WEIGHT_Q4_KX16: CALL(q4_kx16); break;                                                            \
+    case WEIGHT_Q6_KX16: CALL(q6_kx16); break;                                                            \
     case WEIGHT_Q8_0X16: CALL(q8_0x16); break;                                                            \
     default: abort(); /* the Python side sets quantize_activations only for these */                     \
     }

@@ -189,6 +189,29 @@ def test_q4_k_in_tiles_of_16_rows_keeps_every_byte(rows):
     _same_rows(tiled, q)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_q6_k_in_tiles_of_16_rows_keeps_every_byte(rows):
+    """q6_kx16: per super-block, 8 records of a block's low 4 bits (int4x16's words), their high 2
+    bits as two more words (bits 2t, 2t + 1 of byte e: element 4t + e, then 16 + 4t + e), the
+    halves' signed scales; then the rows' d. Back to the file's super-blocks bit for bit."""
+    q = _random_gguf("q6_k", rows, 512)
+    tiled = tile_rows(q)
+    assert tiled.data.shape == (-(-rows // 16), 16 * TILE_BLOCK_BYTES["q6_kx16"])
+    stored = q.data[0, 210:420]  # row 0's second super-block: ql [128], qh [64], scales [16], d
+    ql, qh = stored[:128].tolist(), stored[128:192].tolist()
+    # element t of the first 128: ql[t % 64] (low nibble if t < 64), qh[t % 32] bits 2 (t // 32)
+    code = lambda t: (ql[t % 64] >> 4 * (t // 64) & 15) | (qh[t % 32] >> 2 * (t // 32) & 3) << 4  # noqa: E731
+    record = tiled.data[0, 8 * TILE_BLOCK_BYTES["q6_kx16"] + 416:][:416]  # its block 1: elements 32 .. 63
+    assert record[64:68].tolist() == [code(32 + 4 + e) & 15 | (code(32 + 20 + e) & 15) << 4 for e in range(4)]
+    assert record[256 + 64:256 + 68].tolist() == [sum((code(32 + 16 + 4 * t + e) >> 4) << 2 * t for t in range(4))
+                                                  for e in range(4)]  # lane 0 of the second high-bits word
+    assert record[384:385].tolist() == stored[192 + 2:192 + 3].tolist()  # sc of columns 32 .. 47
+    assert record[400:401].tolist() == stored[192 + 3:192 + 4].tolist()
+    assert tiled.data[0, 16 * TILE_BLOCK_BYTES["q6_kx16"] - 32:][:2].tolist() == stored[208:210].tolist()
+    assert torch.equal(untile_rows(tiled).data, q.data)
+    _same_rows(tiled, q)
+
+
 def _quantize_gguf(w: torch.Tensor, kind: str):
     """w in `kind` as the gguf package's quantizer writes it, loaded as brisk loads a file's blocks."""
     blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind.upper()])
@@ -207,10 +230,10 @@ def _same_rows(tiled, q):
     assert torch.equal(tiled.dequantize(), q.dequantize())
 
 
-def test_only_q8_0_q4_k_and_int4_or_int5_with_a_scale_per_block_tile():
+def test_only_q8_0_q4_k_q6_k_and_int4_or_int5_with_a_scale_per_block_tile():
     for q in (quantize(_weight((4, 128)), "int4", 64), quantize(_weight((4, 128)), "int8"),
-              quantize(_weight((4, 45)), "int4", 32), _random_gguf("q6_k", 4, 256)):
-        with pytest.raises(ValueError, match="only q8_0, q4_k, and int4 or int5 with a scale per block of 32"):
+              quantize(_weight((4, 45)), "int4", 32), _random_gguf("q5_k", 4, 256)):
+        with pytest.raises(ValueError, match="only q8_0, q4_k, q6_k, and int4 or int5 with a scale per block of 32"):
             tile_rows(q)
 
 
