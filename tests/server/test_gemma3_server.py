@@ -1,7 +1,9 @@
 """The real Gemma 3 270M file served, through the official openai client: completions streamed
 and with echo + logprobs, a chat under `--chat-template` (Gemma's turn format) and a chat
 without one (400: this pretrained file has no template), a JSON-schema answer that validates,
-and n-gram speculation whose output equals plain decoding's."""
+and n-gram speculation whose output equals plain decoding's; then, behind a response cache (a
+real SQLite file, the real embedder), repeats served with their logprobs and /tokenize over token
+ids past 65,535 (its vocabulary has 262,144)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import openai
 import pytest
 
 from brisk import LLM, SamplingParams
-from brisk.config import EngineConfig
+from brisk.cache.response_cache import ResponseCache
+from brisk.cache.sqlite_store import SQLiteStore
+from brisk.config import EngineConfig, ResponseCacheConfig
 from brisk.transport.async_engine import AsyncEngine
 from tests.helpers import GEMMA_TURNS, gemma_path, metric_values
 from tests.server.conftest import running_server
@@ -113,3 +117,38 @@ def test_ngram_speculation_gives_plain_decodings_tokens(client, url, plain_copy)
     assert reply.choices[0].text == plain_copy and reply.usage.completion_tokens == 32
     accepted = metric_values(httpx.get(f"{url}/metrics", timeout=60).text)
     assert accepted["brisk:spec_decode_num_accepted_tokens_total"] > 0  # the drafts did land
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory, real_embedder):
+    """Gemma behind an exact and semantic response cache, over plain HTTP."""
+    store = SQLiteStore(str(tmp_path_factory.mktemp("cache") / "cache.sqlite3"), 1000, real_embedder.dimensions)
+    engine = AsyncEngine(_config())
+    try:
+        with running_server(engine, embedder=real_embedder, response_cache=ResponseCache(store, 3600),
+                            cache_config=ResponseCacheConfig(), served_model_name="gemma") as base, \
+                httpx.Client(base_url=base, timeout=120) as http:
+            yield http
+    finally:
+        engine.shutdown()
+
+
+def test_the_response_cache_serves_a_repeat_with_its_logprobs(cached):
+    body = {"model": "gemma", "prompt": "The tallest mountain in Europe is", "max_tokens": 8, "temperature": 0,
+            "logprobs": 3}
+    first = cached.post("/v1/completions", json=body)
+    again = cached.post("/v1/completions", json=body)
+    assert first.status_code == again.status_code == 200, first.text
+    assert (first.headers["x-brisk-cache"], again.headers["x-brisk-cache"]) == ("miss", "exact")
+    assert again.json()["choices"] == first.json()["choices"]
+    assert len(first.json()["choices"][0]["logprobs"]["top_logprobs"]) == 8
+
+
+def test_tokenize_and_detokenize_carry_ids_past_65535(cached):
+    text = "Grüße aus 東京 🦙 — naïve façade, 12345 \n\n  spaces"
+    counted = cached.post("/tokenize", json={"model": "gemma", "prompt": text, "add_special_tokens": False})
+    assert counted.status_code == 200, counted.text
+    ids = counted.json()["tokens"]
+    assert counted.json()["count"] == len(ids) and max(ids) > 65535  # no 16-bit id anywhere on the way
+    back = cached.post("/detokenize", json={"model": "gemma", "tokens": ids})
+    assert back.status_code == 200 and back.json()["prompt"] == text
