@@ -54,7 +54,7 @@ def knobs(config_cls: type) -> list[dataclasses.Field]:
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "prideandprejudice.txt"
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # engine/waiting.py's
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "medusa")
 MEDUSA_CONFIG_FILE = "medusa_config.json"  # what marks a folder of Medusa heads (spec/medusa.py)
 # Draft "models" that are the target's own weights in low bits (spec/draft_model.py): name -> quantization
 SELF_DRAFTS = {"self-int8": "int8", "self-int4": "int4"}
@@ -75,13 +75,23 @@ class SpeculativeConfig:
 
     medusa (the method when `model` is a folder of `brisk train-medusa` heads): the heads' top
     candidates as a tree of num_speculative_tokens tokens, verified in one pass.
+
+    suffix (suffix decoding, vLLM's option names): the continuations of the longest earlier
+    occurrence of the sequence's last tokens, in its own prompt and output and in the outputs
+    of its tenant's finished requests, as a tree of the most frequent ones (brisk/spec/suffix.py).
+    num_speculative_tokens defaults to suffix_decoding_max_tree_depth there.
     """
 
     method: str | None = None  # default: medusa for a folder of heads, draft_model for another `model`, else ngram
     model: str | None = None
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # default 4; suffix: suffix_decoding_max_tree_depth
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    suffix_decoding_max_tree_depth: int = 24  # the longest match looked for, and the deepest draft
+    suffix_decoding_max_cached_requests: int = 10000  # finished outputs kept (0: the request's own tokens only)
+    suffix_decoding_max_cached_tokens: int = 1_000_000  # and their tokens at most (about 100 bytes each)
+    suffix_decoding_max_spec_factor: float = 1.0  # drafts at most this x the match length
+    suffix_decoding_min_token_prob: float = 0.1  # drafts no token fewer than this share of occurrences continue with
     # Speculation costs rows of the verify pass; past this many running sequences a step is
     # compute-bound and it stops paying (None: the engine's measured default, see brisk/spec).
     disable_by_batch_size: int | None = None
@@ -93,9 +103,20 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError(f"speculative_config.num_speculative_tokens must be in 1..16, "
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth if self.method == "suffix" else 4
+        # a tree's rows see at most 63 keys before them; the other methods' drafts cost a pass per token
+        most = 63 if self.method == "suffix" else 16
+        if not 1 <= self.num_speculative_tokens <= most:
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be in 1..{most} for {self.method}, "
                               f"got {self.num_speculative_tokens}")
+        for name, low in (("max_tree_depth", 2), ("max_cached_requests", 0), ("max_cached_tokens", 0)):
+            if getattr(self, f"suffix_decoding_{name}") < low:
+                raise ConfigError(f"speculative_config.suffix_decoding_{name} must be >= {low}, "
+                                  f"got {getattr(self, f'suffix_decoding_{name}')}")
+        if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ConfigError("speculative_config needs suffix_decoding_max_spec_factor > 0 and "
+                              "0 <= suffix_decoding_min_token_prob <= 1")
         if (self.method in ("draft_model", "medusa")) != (self.model is not None):
             raise ConfigError("speculative_config.model names the draft model or Medusa heads, and only methods "
                               "draft_model and medusa take one")

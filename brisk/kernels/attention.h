@@ -134,17 +134,19 @@ DEFINE_DECODE_TILES(bf16, uint16_t, load_bf16, 0)
 DEFINE_DECODE_TILES(f16, uint16_t, load_f16, 0)
 DEFINE_DECODE_TILES(i8, int8_t, load_i8, 1)
 
-/* A task is one (sequence, kv head) pair's keys, or a part of them: with fewer pairs than a few
- * per thread (one sequence has as many pairs as kv heads: 3 for SmolLM2, on 2 threads), each
- * pair's blocks are split into `parts` and the parts' softmaxes merged after, so every thread has
- * work (flash-decoding's split). A part is at least one block of the longest context. */
-static inline int64_t decode_attention_parts(int64_t num_seqs, int64_t num_kv_heads, int64_t max_blocks,
-                                             int64_t threads) {
-    const int64_t tasks = num_seqs * num_kv_heads, wanted = 4 * threads;
-    if (threads == 1 || tasks >= wanted || max_blocks <= 1) return 1;
-    int64_t parts = (wanted + tasks - 1) / tasks;
-    while ((tasks * parts) % threads) parts++; /* whole rounds of tasks: no thread waits on a last one */
-    return parts < max_blocks ? parts : max_blocks;
+/* A task is a part of one (sequence, kv head) pair's keys: DECODE_PART_TOKENS of them, counted
+ * from the first the row sees, and the parts' softmaxes merged after in their order
+ * (flash-decoding's split), so one sequence (as many pairs as kv heads: 3 for SmolLM2, on 2
+ * threads) still gives every thread work. The parts are a fixed size, not a number chosen by
+ * the batch: a row's sums then run in the same order whatever else the step holds. That is what
+ * makes a speculative verify pass (the row and its drafts, one step) compute the row exactly as
+ * decoding it alone would: splitting by the batch's size moved the last bits of attention, and
+ * int8 activation rounding turned those into logprob changes of up to 0.4 on SmolLM2, enough to
+ * change greedy output. `parts` is the most any row of the batch has. */
+#define DECODE_PART_TOKENS 128
+#define DECODE_PART_BLOCKS (DECODE_PART_TOKENS > BLOCK_SIZE ? DECODE_PART_TOKENS / BLOCK_SIZE : 1)
+static inline int64_t decode_attention_parts(int64_t max_blocks) {
+    return max_blocks > DECODE_PART_BLOCKS ? (max_blocks + DECODE_PART_BLOCKS - 1) / DECODE_PART_BLOCKS : 1;
 }
 
 /* The scratch decode attention needs, allocated by its caller before the parallel region:
@@ -154,22 +156,20 @@ static inline int64_t decode_attention_parts(int64_t num_seqs, int64_t num_kv_he
  *   scores    [threads] rows of decode_attention_scores()    a thread's task at a time: its
  *             group's scaled queries and their scores against the part's keys
  *
- * A part spans at most ceil(max_blocks / parts) blocks (a context never outgrows its table). */
+ * A part spans at most DECODE_PART_BLOCKS blocks. */
 static inline int64_t decode_attention_partials(int64_t num_seqs, int64_t num_heads, int64_t parts) {
     return cache_lines_of_floats(num_seqs * num_heads * parts * (HEAD_DIM + 2));
 }
 
-static inline int64_t decode_attention_scores(int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks,
-                                              int64_t parts) {
-    const int64_t group = num_heads / num_kv_heads, part_blocks = (max_blocks + parts - 1) / parts;
-    return cache_lines_of_floats(group * (part_blocks * BLOCK_SIZE + HEAD_DIM));
+static inline int64_t decode_attention_scores(int64_t num_heads, int64_t num_kv_heads) {
+    return cache_lines_of_floats(num_heads / num_kv_heads * (DECODE_PART_BLOCKS * BLOCK_SIZE + HEAD_DIM));
 }
 
 /* Floats of the whole scratch, for `threads` = omp_get_max_threads() (a team's size at most). */
 static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                                int64_t max_blocks, int64_t parts, int64_t threads) {
     return decode_attention_partials(num_seqs, num_heads, parts)
-           + threads * decode_attention_scores(num_heads, num_kv_heads, max_blocks, parts);
+           + threads * decode_attention_scores(num_heads, num_kv_heads);
 }
 
 #define DEFINE_DECODE_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CS, CT, SCALED)                              \
@@ -188,7 +188,7 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
         const int64_t block_elems = BLOCK_SIZE * HEAD_DIM, slot = HEAD_DIM + 2;                           \
         float *restrict partials = scratch;                                                               \
         float *scores_of_thread = scratch + decode_attention_partials(num_seqs, num_heads, parts);        \
-        const int64_t scores_stride = decode_attention_scores(num_heads, num_kv_heads, max_blocks, parts); \
+        const int64_t scores_stride = decode_attention_scores(num_heads, num_kv_heads);                   \
         _Pragma("omp for collapse(3) schedule(dynamic)")                                                  \
         for (int64_t s = 0; s < num_seqs; s++) {                                                          \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
@@ -196,9 +196,10 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                     const int64_t len = context_lens[s];                                                  \
                     /* the first key the row sees: its window's, or the context's */                      \
                     const int64_t seen = window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0; \
-                    const int64_t num_blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE - seen / BLOCK_SIZE;   \
-                    const int64_t first = seen / BLOCK_SIZE + part * num_blocks / parts;                  \
-                    const int64_t last = seen / BLOCK_SIZE + (part + 1) * num_blocks / parts;             \
+                    const int64_t blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE; /* a part past them: empty */ \
+                    const int64_t from = seen / BLOCK_SIZE + part * DECODE_PART_BLOCKS;                   \
+                    const int64_t first = from < blocks ? from : blocks;                                  \
+                    const int64_t last = first + DECODE_PART_BLOCKS < blocks ? first + DECODE_PART_BLOCKS : blocks; \
                     const int64_t start = first * BLOCK_SIZE, end = last * BLOCK_SIZE < len ? last * BLOCK_SIZE : len; \
                     const int64_t padded = (last - first) * BLOCK_SIZE;                                   \
                     const int64_t *table = block_tables + s * max_blocks;                                 \

@@ -135,7 +135,7 @@ static int rounds_activations(const struct decode_model *model) {
         const int64_t qkv_size = q_size + 2 * model->num_kv_heads * HEAD_DIM;                             \
         const float eps = model->eps;                                                                     \
         const int64_t threads = omp_get_max_threads();                                                    \
-        const int64_t parts = decode_attention_parts(m, model->num_kv_heads, batch->max_blocks, threads); \
+        const int64_t parts = decode_attention_parts(batch->max_blocks); \
         float *residual = calloc(m * hidden, sizeof(float));                                              \
         float *qkv = malloc(sizeof(float) * m * qkv_size), *q = malloc(sizeof(float) * m * q_size);       \
         float *attended = malloc(sizeof(float) * m * q_size);                                             \

@@ -128,7 +128,7 @@
                                            int64_t num_kv_heads, int64_t max_blocks, int64_t window,      \
                                            float scale) {                                                 \
         const int64_t threads = omp_get_max_threads();                                                    \
-        const int64_t parts = decode_attention_parts(num_seqs, num_kv_heads, max_blocks, threads);        \
+        const int64_t parts = decode_attention_parts(max_blocks);        \
         float *scratch = scratch_floats(decode_attention_scratch(num_seqs, num_heads, num_kv_heads, max_blocks, \
                                                                  parts, threads));                        \
         if (scratch == NULL) return KERNEL_OUT_OF_MEMORY;                                                 \

@@ -32,6 +32,7 @@ from brisk.engine.runner import ModelRunner
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.sampling_params import SamplingParams
+from brisk.spec.drafter import Drafter
 from brisk.spec.verify import Draft
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
@@ -43,9 +44,7 @@ class _Shadow:
     num_synced: int  # leading tokens known to be the target's (the rest are this drafter's drafts)
 
 
-class DraftModelDrafter:
-    reads_hidden_states = False
-
+class DraftModelDrafter(Drafter):
     def __init__(self, runner: ModelRunner, kv: KVCacheManager):
         self.runner, self.kv = runner, kv
         self._shadows: dict[str, _Shadow] = {}

@@ -40,6 +40,7 @@ from brisk.model.llama import LlamaForCausalLM
 from brisk.quant.formats import quantize
 from brisk.quant.modules import QuantizedLinear, QuantizedWeight
 from brisk.spec.medusa import HeadAccuracy, MedusaHeads, MedusaModelMismatch
+from brisk.spec.drafter import Drafter
 from brisk.spec.verify import Draft
 
 
@@ -74,7 +75,7 @@ def candidate_tree(accuracy: HeadAccuracy | None, num_heads: int, size: int) -> 
     return [TreeNode(index.get(path[:-1], -1), len(path) - 1, path[-1]) for path in chosen]
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     reads_hidden_states = True
 
     def __init__(self, heads: MedusaHeads, runner: ModelRunner, tree: list[TreeNode]):
@@ -103,9 +104,6 @@ class MedusaDrafter:
         for n, i in enumerate(drafting):
             drafts[i] = self._draft(candidates, n, num_tokens[i])
         return drafts
-
-    def forget(self, live: set[str]) -> None:
-        pass  # nothing is kept per sequence
 
     def _draft(self, candidates: list[list[list[int]]], n: int, max_depth: int) -> Draft:
         """The tree's tokens for sequence n, without the nodes deeper than it may draft."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from brisk.engine.request import Request
+from brisk.spec.drafter import Drafter
 from brisk.spec.verify import Draft
 
 
@@ -26,9 +27,7 @@ class _NgramIndex:
     num_indexed: int = 0  # n-grams ending before this position are in `grams`
 
 
-class NgramDrafter:
-    reads_hidden_states = False
-
+class NgramDrafter(Drafter):
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[str, _NgramIndex] = {}

@@ -4,11 +4,8 @@ Before each step it gives the running sequences that decode next a draft to veri
 VerifyPlan; after the step it turns each plan's row samples into the tokens accepted
 (spec/verify.py) and names the K/V slots to keep.
 
-It owns a drafter (the seam every drafting method plugs into: `propose(requests, num_tokens,
-hidden)` returns a Draft for each of requests, a chain or a tree of tokens no deeper than
-num_tokens[i], given the final hidden state each request's newest token was sampled from, where
-the drafter reads them; `forget(live)` drops state of sequences no longer running) and the
-policy around it:
+It owns a drafter (spec/drafter.py: the seam every drafting method plugs into) and the policy
+around it:
 
 - a sequence that brought a draft of its own (EngineRequest.draft: an edited file, a retrieved
   passage) verifies it, hundreds of tokens at a time, for as long as its output follows it;
@@ -24,7 +21,7 @@ at a position (spec/verify.py): with exactly reproducible logits, outputs do not
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,8 +31,10 @@ from brisk.engine.runner import RunnerOutput
 from brisk.engine.scheduler import SchedulerOutput
 from brisk.engine.step_hook import SlotMove
 from brisk.spec.draft_model import DraftModelDrafter
+from brisk.spec.drafter import Drafter
 from brisk.spec.medusa_drafter import MedusaDrafter
 from brisk.spec.ngram import NgramDrafter
+from brisk.spec.suffix import SuffixDrafter
 from brisk.spec.verify import Draft, accepted_path, verify_plan
 
 if TYPE_CHECKING:
@@ -46,22 +45,14 @@ if TYPE_CHECKING:
 # sequences and 1.2x at 3, but lost at 4 (0.9x; chat prompts 0.93-0.95x at 2-4); a draft model
 # costs a pass of its own per draft token, which already lost at 2 sequences (0.6x plain
 # decoding); Medusa a tree of verify rows and the heads' pass through the LM head.
-DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "draft_model": 1, "medusa": 1}
+# The suffix drafter's verify rows cost what prompt lookup's do; its own limit is not measured yet.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "suffix": 2, "draft_model": 1, "medusa": 1}
 
 
 def drafting_limit(config: SpeculativeConfig) -> int:
     """Running sequences past which nobody drafts: the config's own limit, else the method's
     measured default. `brisk optimize` reads it to tell whether a drafter can act on a workload."""
     return config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[config.method]
-
-
-class Drafter(Protocol):
-    reads_hidden_states: bool  # whether propose() needs the hidden states (else it gets an empty dict)
-
-    def propose(self, requests: list[Request], num_tokens: list[int],
-                hidden: dict[str, torch.Tensor]) -> list[Draft]: ...
-
-    def forget(self, live: set[str]) -> None: ...
 
 
 class Speculator:
@@ -72,6 +63,7 @@ class Speculator:
         self.drafter = drafter
         self.disable_by_batch_size = drafting_limit(config)
         self._drafts: dict[str, Draft] = {}  # the drafts of the step under way, by request id
+        self._running: dict[str, Request] = {}  # as release() last saw them
         self._hidden: dict[str, torch.Tensor] = {}  # the last step's hidden states, for the drafter
 
     @classmethod
@@ -82,6 +74,8 @@ class Speculator:
         spec = config.speculative_config
         if spec.method == "ngram":
             return cls(spec, NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        if spec.method == "suffix":
+            return cls(spec, SuffixDrafter(spec))
         if spec.method == "medusa":
             return cls(spec, MedusaDrafter.load(spec, engine.checkpoint.path, engine.runner))
         # the pool in blocks of every layer: the target's, whatever groups its layers keep K/V in
@@ -90,8 +84,14 @@ class Speculator:
 
     # ----- StepHook ---------------------------------------------------------------------------
     def release(self, running: list[Request]) -> None:
-        """Drops the drafter's state (a draft model's KV blocks) of sequences no longer running."""
-        self.drafter.forget({r.request_id for r in running})
+        """Shows the drafter the sequences that finished since the last call, and drops its
+        state (a draft model's KV blocks) of those no longer running."""
+        live = {r.request_id for r in running}
+        finished = [r for rid, r in self._running.items() if rid not in live and r.status.finished]
+        self._running = {r.request_id: r for r in running}
+        if finished:
+            self.drafter.learn(finished)
+        self.drafter.forget(live)
 
     def propose(self, running: list[Request]) -> None:
         """Gives the running sequences that decode next step their drafts, as verify plans."""

@@ -16,6 +16,7 @@ from brisk.sampling_params import SamplingError
 from brisk.engine.engine import LLMEngine
 from brisk.engine.request import EngineRequest, Request
 from brisk.spec.draft_model import DraftModelDrafter
+from brisk.spec.drafter import Drafter
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
 from brisk.spec.verify import Draft
@@ -36,11 +37,9 @@ def other_tiny_dir(tmp_path_factory) -> str:
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("spec-draft")), "qwen2")
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes a known continuation of each prompt, wrong at every `wrong_every`-th position, so
     verify passes accept a few drafts and then reject one."""
-
-    reads_hidden_states = False
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int = 3):
         self.continuations, self.wrong_every = continuations, wrong_every
@@ -56,9 +55,6 @@ class ScriptedDrafter:
                     proposal[i] = (proposal[i] + 1) % TINY_VOCAB
             drafts.append(Draft(proposal))
         return drafts
-
-    def forget(self, live: set[str]) -> None:
-        pass
 
 
 class TreeDrafter(ScriptedDrafter):
@@ -82,19 +78,14 @@ class TreeDrafter(ScriptedDrafter):
         return drafts
 
 
-class ConstantDrafter:
+class ConstantDrafter(Drafter):
     """Always proposes the same tokens: mostly rejected, now and then accepted."""
-
-    reads_hidden_states = False
 
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
     def propose(self, requests, num_tokens, hidden):
         return [Draft(self.tokens[:k]) for k in num_tokens]
-
-    def forget(self, live):
-        pass
 
 
 def _llm(path: str, **options) -> LLM:
