@@ -403,6 +403,10 @@ class ResponseCacheConfig:
         0.95, "Least cosine similarity of a semantic hit (a request may set its own: \"cache_similarity_threshold\").")
     cache_ttl_seconds: float = knob(86400.0, "How long a cached response is served, in seconds.")
     cache_max_entries: int = knob(100_000, "Cached responses kept; past this the least recently used go.")
+    cache_verify: bool = knob(
+        False, "Serve a semantic hit as a draft the model verifies in one pass and decodes on from where it "
+               "disagrees, so the answer is exactly the model's own (needs --speculative-config; a request may set "
+               "\"cache_verify\"); the lexical guard then stands aside.")
 
     def __post_init__(self) -> None:
         if not 0 < self.cache_similarity_threshold <= 1:

@@ -47,6 +47,7 @@ class CacheQuery:
     semantic: bool  # whether `text` may be matched by meaning at all (a user message or a text prompt)
     threshold: float  # the least cosine similarity for a semantic hit
     space: str = ""  # the embedder whose vectors the namespace holds (Embedder.identity)
+    verify: bool = False  # a semantic hit becomes a draft the model checks: the lexical guard stands aside
 
     @cached_property
     def key(self) -> str:

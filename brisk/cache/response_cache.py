@@ -90,7 +90,7 @@ class ResponseCache:
         for entry, similarity in self.store.nearest(query.namespace, vector, SEMANTIC_CANDIDATES, now):
             if similarity < query.threshold:
                 break
-            if self.guard(query.text, entry.text) is not None:
+            if not query.verify and self.guard(query.text, entry.text) is not None:
                 self.counters.add("guard_rejections")
                 continue
             self.counters.add("semantic_hits")

@@ -137,7 +137,7 @@ class RayEngineClient(EngineClient):
     # ----- EngineClient -----------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                  prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, draft: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = validate_request(prompt_token_ids, params, self.model_info.vocab_size, self.model_info.max_model_len)
@@ -148,7 +148,7 @@ class RayEngineClient(EngineClient):
         # The prompt goes first and positional: the router reads it as args[0].
         response = self._handle.options(stream=True).generate.remote(
             list(prompt_token_ids), params, request_id, prompt=prompt, cache_salt=cache_salt, tenant=tenant,
-            priority=priority)
+            priority=priority, draft=draft)
         load = QueueLoad(params.n, params.n * len(prompt_token_ids))
         stream = RayRequestStream(self, request_id, response, load)
         self._streams[request_id] = stream

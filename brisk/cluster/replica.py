@@ -79,13 +79,13 @@ class EngineReplica:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, draft: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
         """The request's outputs as a Ray Serve stream. The ingress cancelling the stream (its
         client left) cancels this generator, and closing the engine stream aborts the request.
         The prompt (text and ids) goes with the first output only: the ingress has it from then
         on, and a long prompt would otherwise be pickled again with every token."""
         stream = self.engine.generate(prompt_token_ids, params, request_id, prompt=prompt, cache_salt=cache_salt,
-                                      tenant=tenant, priority=priority)
+                                      tenant=tenant, priority=priority, draft=draft)
         first = True
         try:
             async for output in stream:

@@ -78,7 +78,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
             serving.tenants.count(tenant, response_cache_hits=1)  # `serving` is made below
 
         caching = ResponseCaching(response_cache, cache_config or ResponseCacheConfig(),
-                                  model_scope(model_names[0], engine.model_info.identity), embedder, on_hit)
+                                  model_scope(model_names[0], engine.model_info.identity), embedder, on_hit,
+                                  engine.model_info.verifies_drafts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -15,7 +15,18 @@ Who may be served from the cache:
 Requests that ask about their own tokens (logprobs, top_logprobs, echo, prompt_logprobs) match
 exactly or not at all: an answer stored for another wording holds that wording's tokens.
 The response header X-Brisk-Cache says what happened: exact, semantic (with
-X-Brisk-Cache-Similarity), miss, or bypass.
+X-Brisk-Cache-Similarity), verified, miss, or bypass.
+
+Verified semantic hits (`--cache-verify`, or a request's "cache_verify"): a semantic candidate
+is not served but handed to the model as a draft of the answer. The model checks it in one
+verify pass, keeps the longest prefix it agrees with and decodes on from there (speculative
+decoding's exact rule, brisk/spec/verify.py), so the answer is the model's own to the new
+question, however alike the two questions only look; the lexical guard, which refuses
+candidates to keep unverified hits safe, stands aside. A request about its own tokens
+(logprobs) may then match by meaning too: the model computes them. Such a request runs as a miss
+would (its answer is stored for its own wording), with X-Brisk-Cache: verified and, when it does
+not stream, X-Brisk-Cache-Accepted: the share of the draft the model kept. Only one completion
+of a single prompt without an output constraint is verified; others miss.
 """
 
 from __future__ import annotations
@@ -31,11 +42,12 @@ from fastapi import Request
 
 from brisk.cache.keys import CacheQuery, canonical
 from brisk.cache.response_cache import Hit, ResponseCache
-from brisk.config import ResponseCacheConfig
+from brisk.config import ConfigError, ResponseCacheConfig
 from brisk.embed.embedder import Embedder
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import percentiles
 from brisk.sampling_params import GREEDY_TEMPERATURE
+from brisk.server.errors import APIError
 from brisk.server.middleware import DEFAULT_TENANT, Caller
 from brisk.server.protocol import SamplingFields
 
@@ -43,10 +55,11 @@ logger = logging.getLogger("brisk.server")
 
 CACHE_HEADER = "X-Brisk-Cache"
 SIMILARITY_HEADER = "X-Brisk-Cache-Similarity"
+ACCEPTED_HEADER = "X-Brisk-Cache-Accepted"
 # Request fields that change neither the output nor its shape once streaming is undone (a
 # cached answer is re-streamed), or that are the cache's own controls.
 NOT_IN_KEY = frozenset({"model", "stream", "stream_options", "user", "metadata", "store", "service_tier", "cache",
-                        "cache_similarity_threshold"})
+                        "cache_similarity_threshold", "cache_verify"})
 # Request fields that ask about the request's own tokens: set, they make it exact-only.
 TOKEN_FIELDS = ("logprobs", "top_logprobs", "echo", "prompt_logprobs")
 
@@ -63,6 +76,7 @@ class Cacheable:
     deterministic: bool
     opt: bool | None  # the request's "cache" field
     threshold: float | None  # the request's own similarity threshold
+    verify: bool | None = None  # its "cache_verify" (None: the server's); False where it cannot be one draft
 
 
 def caller(http: Request) -> Caller:
@@ -71,7 +85,7 @@ def caller(http: Request) -> Caller:
 
 @dataclass(frozen=True)
 class CacheLookup:
-    status: str  # "exact", "semantic", "miss", "bypass", or "off" (no cache on this server)
+    status: str  # "exact", "semantic", "verified", "miss", "bypass", or "off" (no cache on this server)
     hit: Hit | None = None
     query: CacheQuery | None = None
     vector: np.ndarray | None = None  # the query's, stored with the answer
@@ -85,6 +99,18 @@ class CacheLookup:
         if self.hit is not None and self.hit.kind == "semantic":
             headers[SIMILARITY_HEADER] = f"{self.hit.similarity:.4f}"
         return headers
+
+    @property
+    def served(self) -> bool:
+        """Whether the response is the cached one (a verified hit runs the model)."""
+        return self.hit is not None and self.status != "verified"
+
+    def accepted_headers(self, draft: tuple[int, ...], output: list[int]) -> dict[str, str]:
+        """The headers with, for a verified hit, the share of its draft the model's output kept."""
+        if self.status != "verified" or not draft:
+            return self.headers
+        kept = next((i for i, (a, b) in enumerate(zip(draft, output)) if a != b), min(len(draft), len(output)))
+        return {**self.headers, ACCEPTED_HEADER: f"{kept / len(draft):.2f}"}
 
     async def save(self, response: dict) -> None:
         """Stores the answer; a failure is logged, and the client gets its answer all the same."""
@@ -116,18 +142,19 @@ def model_scope(served_name: str, identity: str) -> dict[str, str]:
 
 
 def cache_query(model: dict[str, str], tenant: str, request: Cacheable, threshold: float,
-                space: str = "") -> CacheQuery:
+                space: str = "", verify: bool = False) -> CacheQuery:
     """The query `request` is looked up and stored under (threshold: the server's default;
-    space: the embedder's identity). Its params are keyed as the sampler runs them (a greedy
-    temperature as 0), and a request about its own tokens is matched exactly only."""
+    space: the embedder's identity; verify: a semantic hit is to be verified). Its params are
+    keyed as the sampler runs them (a greedy temperature as 0), and a request about its own
+    tokens is matched exactly only, unless its hits are verified."""
     params = request.params
     if greedy(params.get("temperature")):
         params = {**params, "temperature": 0.0}
     about_tokens = any(params.get(name) is not None and params.get(name) is not False  # logprobs 0 asks too
                        for name in TOKEN_FIELDS)
     return CacheQuery(tenant=tenant, scope=canonical([model, request.route, params, request.context]),
-                      text=request.text, semantic=request.semantic and not about_tokens,
-                      threshold=request.threshold or threshold, space=space)
+                      text=request.text, semantic=request.semantic and (verify or not about_tokens),
+                      threshold=request.threshold or threshold, space=space, verify=verify)
 
 
 class ResponseCaching:
@@ -135,9 +162,15 @@ class ResponseCaching:
 
     def __init__(self, cache: ResponseCache, config: ResponseCacheConfig, model: dict[str, Any],
                  embedder: Embedder | None,
-                 on_hit: Callable[[str, float, str], None] = lambda kind, seconds, tenant: None):
-        """on_hit(kind, seconds, tenant): each hit, for the metrics."""
+                 on_hit: Callable[[str, float, str], None] = lambda kind, seconds, tenant: None,
+                 verifies_drafts: bool = False):
+        """on_hit(kind, seconds, tenant): each hit, for the metrics; verifies_drafts: whether the
+        engine verifies a request's draft (speculative decoding is on), which verified hits need."""
+        if config.cache_verify and not verifies_drafts:
+            raise ConfigError("cache_verify needs speculative decoding to verify cached answers: start with "
+                              "--speculative-config '{\"method\": \"suffix\"}' (or another method)")
         self.cache, self.config, self.model, self.on_hit = cache, config, model, on_hit
+        self.verifies_drafts = verifies_drafts
         self.embedder = embedder if config.cache_semantic else None
         self.space = self.embedder.identity if self.embedder is not None else ""
 
@@ -148,7 +181,11 @@ class ResponseCaching:
                 or not (request.deterministic or request.opt):
             return BYPASS
         tenant = caller(http).tenant
-        query = cache_query(self.model, tenant, request, self.config.cache_similarity_threshold, self.space)
+        if request.verify and not self.verifies_drafts:
+            raise APIError(400, "cache_verify needs a server started with speculative decoding (--speculative-config).",
+                           param="cache_verify")
+        verify = self.config.cache_verify if request.verify is None else request.verify
+        query = cache_query(self.model, tenant, request, self.config.cache_similarity_threshold, self.space, verify)
         try:
             hit, vector = await self._find(query, read="no-cache" not in no_cache)
         except Exception:  # noqa: BLE001 - a store or embedder that fails costs a model run, not the request
@@ -159,6 +196,8 @@ class ResponseCaching:
         seconds = time.perf_counter() - start
         self.on_hit(hit.kind, seconds, tenant)
         asyncio.get_running_loop().run_in_executor(None, self._served, hit, seconds)  # the LRU write, off the path
+        if verify and hit.kind == "semantic":  # the model runs, and its answer is stored for this wording
+            return CacheLookup("verified", hit=hit, query=query, vector=vector, save_to=self)
         return CacheLookup(hit.kind, hit=hit, query=query)
 
     async def _find(self, query: CacheQuery, read: bool) -> tuple[Hit | None, np.ndarray | None]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -74,7 +74,7 @@ class OpenAIServing:
                            param="prompt_logprobs")
         cached = await lookup(self.caching, http, chat_cacheable(body) if self.caching else None)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if cached.hit is not None:
+        if cached.served:
             prompt_ids = await serving.render_chat(body) if cached.status == "semantic" else None
             return self._replay(body, cached, request_id, created, self._replay_chat, prompt_ids)
         prompt_ids = await serving.render_chat(body)
@@ -84,8 +84,9 @@ class OpenAIServing:
                                 "another output constraint.", param="tool_choice")
         params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
                                       constraint or forced)
+        draft = self._draft(cached, lambda choice: choice["message"].get("content"))
         streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt, caller(http).tenant,
-                                       body.priority)
+                                       body.priority, draft)
         tools = _ToolCalls({t.function.name for t in body.tools or []} if body.tool_choice != "none" else set(),
                            forced is not None)
         if body.stream:
@@ -96,7 +97,7 @@ class OpenAIServing:
         response = self._chat_response(body, finals[0], tools, request_id, created)
         if worth_storing(finals):
             await cached.save(response)
-        return JSONResponse(response, headers=cached.headers)
+        return JSONResponse(response, headers=cached.accepted_headers(draft, finals[0].outputs[0].token_ids))
 
     def _chat_response(self, body: ChatCompletionRequest, final: RequestOutput, tools: "_ToolCalls", request_id: str,
                        created: int) -> dict:
@@ -107,6 +108,14 @@ class OpenAIServing:
         return response
 
     # ----- answers from the response cache ---------------------------------------------------
+    def _draft(self, cached: CacheLookup, text_of: Callable[[dict], str | None]) -> tuple[int, ...]:
+        """A verified hit's answer (its one choice's text) as the tokens the model is to check;
+        none otherwise."""
+        if cached.status != "verified":
+            return ()
+        text = text_of(cached.hit.response["choices"][0])
+        return tuple(self.serving.engine.tokenizer.encode(text, add_special_tokens=False)) if text else ()
+
     def _replay(self, body, cached: CacheLookup, response_id: str, created: int, stream_events,
                 prompt_ids: list[int] | None) -> Response:
         """The cached response under this request's id and time; streamed if the request streams.
@@ -193,7 +202,7 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty.", param="prompt")
         cached = await lookup(self.caching, http, _completion_cacheable(body, prompts) if self.caching else None)
         base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if cached.hit is not None:
+        if cached.served:
             prompt_ids = (await serving.tokenize(prompts, "prompt"))[0] if cached.status == "semantic" else None
             return self._replay(body, cached, base_id, created, self._replay_completion, prompt_ids)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
@@ -203,7 +212,9 @@ class OpenAIServing:
         requested = 1 if body.scores_only else body.requested_max_tokens()  # one token made, then dropped
         params = [body.sampling_params(serving.max_tokens(requested, len(ids), "prompt"), constraint)
                   for ids in prompts]
-        streams = await serving.submit(prompts, params, base_id, body.cache_salt, caller(http).tenant, body.priority)
+        draft = self._draft(cached, lambda choice: choice["text"])
+        streams = await serving.submit(prompts, params, base_id, body.cache_salt, caller(http).tenant, body.priority,
+                                       draft)
         if body.stream:
             return sse(self._completion_stream(body, streams, base_id, created, cached), cached.headers)
         finals = await serving.collect(http, streams)
@@ -212,7 +223,7 @@ class OpenAIServing:
         response = self._completion_response(body, finals, base_id, created)
         if worth_storing(finals):
             await cached.save(response)
-        return JSONResponse(response, headers=cached.headers)
+        return JSONResponse(response, headers=cached.accepted_headers(draft, finals[0].outputs[0].token_ids))
 
     def _completion_response(self, body: CompletionRequest, finals: list[RequestOutput], base_id: str,
                              created: int) -> dict:
@@ -297,9 +308,11 @@ def chat_cacheable(body: ChatCompletionRequest) -> Cacheable:
     *earlier, last = body.messages
     semantic = last.role == "user"
     context = [_message(m) for m in (earlier if semantic else body.messages)]
+    one_draft = body.n == 1 and body.structured_outputs_spec() is None and tool_grammar(body) is None
     return Cacheable(route="chat", params=fields(body, "messages"), context=context,
                      text=last.text if semantic else "", semantic=semantic, deterministic=deterministic(body),
-                     opt=body.cache, threshold=body.cache_similarity_threshold)
+                     opt=body.cache, threshold=body.cache_similarity_threshold,
+                     verify=body.cache_verify if one_draft else False)
 
 
 def _message(message) -> dict:
@@ -316,8 +329,10 @@ def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]
     [prompt] = prompts
     text = prompt if isinstance(prompt, str) else canonical(prompt)
     semantic = isinstance(prompt, str)
+    one_draft = body.n == 1 and not body.echo and body.structured_outputs_spec() is None
     return Cacheable(route="completions", params=fields(body, "prompt"), context=None, text=text, semantic=semantic,
-                     deterministic=deterministic(body), opt=body.cache, threshold=body.cache_similarity_threshold)
+                     deterministic=deterministic(body), opt=body.cache, threshold=body.cache_similarity_threshold,
+                     verify=body.cache_verify if one_draft else False)
 
 
 @dataclass

@@ -160,6 +160,8 @@ class SamplingFields(_Body):
     # brisk's response cache (server/caching.py): true caches a sampled request too, false bypasses it
     cache: bool | None = None
     cache_similarity_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
+    # a semantic hit as a draft the model verifies (default: the server's --cache-verify)
+    cache_verify: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -56,9 +56,9 @@ class ServiceAPI:
         request = None if body.optimization != "full" else Cacheable(
             route="generate", params={"max_tokens": body.max_tokens, "temperature": body.temperature}, context=None,
             text=body.prompt, semantic=True, deterministic=greedy(body.temperature), opt=body.cache,
-            threshold=body.cache_similarity_threshold)
+            threshold=body.cache_similarity_threshold, verify=False)  # verified hits: the OpenAI routes
         cached = await lookup(self.caching, http, request)
-        if cached.hit is not None:
+        if cached.served:
             answer = {**cached.hit.response, "latency_ms": (time.monotonic() - start) * 1000}
             if not body.stream:
                 return JSONResponse(answer, headers=cached.headers)

@@ -245,16 +245,18 @@ class Serving:
 
     # ----- submit and answer -----------------------------------------------------------------
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-                     cache_salt: str | None = None, tenant: str | None = None, priority: int = 0) -> Streams:
-        """Admits the whole request, then queues one engine request per prompt (ids request_id-i).
-        All or nothing: if one prompt is refused, those already queued are aborted."""
+                     cache_salt: str | None = None, tenant: str | None = None, priority: int = 0,
+                     draft: tuple[int, ...] = ()) -> Streams:
+        """Admits the whole request, then queues one engine request per prompt (ids request_id-i;
+        a draft goes with a single prompt). All or nothing: if one prompt is refused, those
+        already queued are aborted."""
         tenant = tenant or DEFAULT_TENANT
         self.admit(sum(p.n for p in params), sum(p.n * len(ids) for ids, p in zip(prompts, params)), tenant)
         streams = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 stream = self.engine.generate(ids, p, f"{request_id}-{i}", cache_salt=cache_salt, tenant=tenant,
-                                              priority=priority)
+                                              priority=priority, draft=draft)
                 streams.append(self.tenants.hold(tenant, QueueLoad(p.n, p.n * len(ids)), stream))
         except BaseException:
             for stream in streams:

@@ -12,8 +12,10 @@ around it:
   the drafter drafts for the others, and for it once the output has left its draft;
 - a sequence drafts no further than the last token it may generate;
 - sequences under a grammar do not draft (their drafts would have to walk the grammar too);
-- past `disable_by_batch_size` running sequences nobody drafts: the batch alone then keeps the
-  step busy computing, so verify rows are no longer nearly free (measured in docs/benchmark-notes.md).
+- past `disable_by_batch_size` running sequences the drafter does not draft: the batch alone then
+  keeps the step busy computing, so verify rows are no longer nearly free (measured in
+  docs/benchmark-notes.md). A sequence's own draft is verified all the same: it may be a whole
+  answer (a response-cache candidate), whose verify rows save it every step of that answer.
 
 Turning speculation off changes which positions are verified together, never what is sampled
 at a position (spec/verify.py): with exactly reproducible logits, outputs do not depend on it.
@@ -101,15 +103,14 @@ class Speculator:
             request.verify = None
         decoding = [r for r in running if r.status is RequestStatus.RUNNING
                     and r.num_tokens - r.num_computed_tokens == 1]
-        if not decoding or len(running) > self.disable_by_batch_size:
-            return
         drafts = {r.request_id: Draft(tokens) for r in decoding if (tokens := _supplied(r))}
         drafting = [r for r in decoding if r.request_id not in drafts]
-        budgets = [self._budget(r) for r in drafting]
-        drafts.update((r.request_id, d) for r, d in zip(drafting, self.drafter.propose(drafting, budgets, hidden)))
+        if drafting and len(running) <= self.disable_by_batch_size:
+            budgets = [self._budget(r) for r in drafting]
+            drafts.update((r.request_id, d) for r, d in zip(drafting, self.drafter.propose(drafting, budgets, hidden)))
         for request in decoding:
-            draft = drafts[request.request_id]
-            if draft.token_ids:
+            draft = drafts.get(request.request_id)
+            if draft is not None and draft.token_ids:
                 self._drafts[request.request_id] = draft
                 request.verify = verify_plan(draft)
 

@@ -5,7 +5,9 @@ Serving workloads repeat themselves: agents send back tool outputs, users ask th
 in other words, edits rewrite most of a file. The best draft for what comes next is often text
 the server produced before, or the request's own prompt. This drafter keeps two kinds of index:
 
-- the request's own tokens (prompt and output so far), as the n-gram drafter does;
+- the request's own tokens (prompt and output so far), as the n-gram drafter does, and the draft
+  it brought (EngineRequest.draft: a response-cache candidate, an edited file) once its output
+  has left it: the rest may still line up further on;
 - the outputs of finished requests (each with the end of its prompt, so the first tokens of an
   answer have a context to match), per partition: a tenant's outputs never draft for another
   tenant (nor, once adapters exist, one adapter's for another's). They are bounded by
@@ -169,6 +171,7 @@ class SuffixDrafter(Drafter):
         self.spec_factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
         self._own: dict[str, SuffixIndex] = {}  # each running request's prompt and output
+        self._brought: dict[str, SuffixIndex] = {}  # the drafts running requests brought
         self._past: dict[str, SuffixIndex] = {}  # finished outputs, per partition
         self._documents: deque[_Document] = deque()  # every partition's, oldest first
         self.num_cached_tokens = 0
@@ -177,8 +180,9 @@ class SuffixDrafter(Drafter):
         return [self._propose(r, k) if k else Draft([]) for r, k in zip(requests, num_tokens)]
 
     def forget(self, live: set[str]) -> None:
-        for request_id in [i for i in self._own if i not in live]:
-            del self._own[request_id]
+        for indexes in (self._own, self._brought):
+            for request_id in [i for i in indexes if i not in live]:
+                del indexes[request_id]
 
     def learn(self, finished: list[Request]) -> None:
         """Caches the outputs of finished requests (after the last max_tree_depth tokens of their
@@ -211,6 +215,11 @@ class SuffixDrafter(Drafter):
         own.tokens, own.base = tokens, 0  # the request's own list: nothing copied
         own.append([], index_last=False)
         sources = [own]
+        if request.supplied_draft:
+            if request.request_id not in self._brought:
+                self._brought[request.request_id] = SuffixIndex()
+                self._brought[request.request_id].append([*request.supplied_draft, SEPARATOR])
+            sources.append(self._brought[request.request_id])
         if (past := self._past.get(partition(request))) is not None:
             sources.append(past)
         best = (Draft([]), 0.0)

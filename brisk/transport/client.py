@@ -63,6 +63,7 @@ class ModelInfo:
     # the weight mode as resolved, KV cache dtype, speculative decoding, seed). The response cache keys on it, so an
     # answer is never served by a server whose model or settings would have answered differently.
     identity: str = ""
+    verifies_drafts: bool = False  # a request may bring a draft to verify (speculative decoding is on)
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "ModelInfo":
@@ -82,6 +83,7 @@ class ModelInfo:
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, identity=_identity(engine),
+            verifies_drafts=engine.step_hook.verifies_supplied_drafts,
         )
 
 
@@ -116,8 +118,10 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                  prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, draft: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Queues a request; returns the async iterator of its outputs (call from the event loop).
+        draft: tokens it is expected to generate, verified while its output follows them
+        (EngineRequest.draft; needs model_info.verifies_drafts).
 
         Validates first, so a bad request raises SamplingError before anything is queued and a
         server can answer 400 before starting a response. Leaving the iterator early (closing

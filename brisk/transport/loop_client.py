@@ -116,13 +116,13 @@ class LoopClient(EngineClient):
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                  prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                 priority: int = 0) -> RequestStream:
+                 priority: int = 0, draft: tuple[int, ...] = ()) -> RequestStream:
         self._raise_if_dead()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = EngineRequest.checked(request_id, prompt_token_ids, params, self.model_info.vocab_size,
                                         self.model_info.max_model_len, prompt=prompt, cache_salt=cache_salt,
-                                        tenant=tenant, priority=priority)
+                                        tenant=tenant, priority=priority, draft=draft)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         load = QueueLoad(request.params.n, request.params.n * len(prompt_token_ids))
         with self._lock:

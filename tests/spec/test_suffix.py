@@ -71,6 +71,16 @@ def test_drafts_grow_with_the_match_and_come_from_the_requests_own_tokens_or_its
     assert drafter.propose([same, other], [8, 8], {}) == [Draft([50, 51]), Draft([])]
 
 
+def test_a_brought_draft_still_drafts_once_the_output_has_left_it():
+    """A response-cache candidate the output left at its third token lines up again later."""
+    drafter = SuffixDrafter(SpeculativeConfig(method="suffix"))
+    request = _request("d", [1, 2, 3], [10, 11, 99, 13, 14])
+    request.supplied_draft = (10, 11, 12, 13, 14, 15, 16, 17)
+    assert drafter.propose([request], [8], {})[0].token_ids == [15, 16]  # "13 14" matched: two tokens
+    drafter.forget(set())
+    assert not drafter._brought and not drafter._own
+
+
 def test_the_past_outputs_stay_under_their_caps_oldest_out_first():
     drafter = SuffixDrafter(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_tokens=100,
                                               suffix_decoding_max_tree_depth=4))
