@@ -110,9 +110,9 @@ def add_bench_parser(sub) -> None:
     rc.add_argument("--startup-timeout", type=float, default=300.0)
     rc.set_defaults(func=_main_of("brisk.bench.cache"))
 
-    sp = kinds.add_parser("spec", help="speculative decoding (ngram, self-drafts, Medusa) vs plain decoding")
-    sp.add_argument("--methods", nargs="+", default=["ngram", "self-int8", "self-int4"],
-                    choices=["ngram", "self-int8", "self-int4"])
+    sp = kinds.add_parser("spec", help="speculative decoding (ngram, suffix, self-drafts, Medusa) vs plain decoding")
+    sp.add_argument("--methods", nargs="+", default=["ngram", "suffix", "self-int8", "self-int4"],
+                    choices=["ngram", "suffix", "self-int8", "self-int4"])
     sp.add_argument("--num-speculative-tokens", type=int, default=4)
     sp.add_argument("--medusa", default=None, metavar="DIR",
                     help="Medusa heads (`brisk train-medusa`) to run on the chat prompts too")
@@ -124,7 +124,10 @@ def add_bench_parser(sub) -> None:
     sp.add_argument("--temperature", type=float, default=0.0)
     sp.add_argument("--rounds", type=int, default=2)
     add_engine_arguments(sp)
-    sp.set_defaults(func=_main_of("brisk.bench.spec"), dtype="float32", kv_cache_memory_gib=2.0)
+    # no prefix caching: each row prefills its prompts as the first did (a row's end-to-end speed is not
+    # helped by the rows before it), and the outputs are comparable token for token
+    sp.set_defaults(func=_main_of("brisk.bench.spec"), dtype="float32", kv_cache_memory_gib=2.0,
+                    enable_prefix_caching=False)
 
     st = kinds.add_parser("step", help="where a decode step's time goes: matmuls, attention, the rest")
     st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])

@@ -83,6 +83,18 @@ def copy_prompts(num_prompts: int) -> list[list[Message]]:
     return [[{"role": "user", "content": order[i % len(order)]}] for i in range(num_prompts)]
 
 
+# Copy prompts written after the suffix drafter was frozen (a license, a JSON document, a class,
+# a list), so no drafting rule was tuned on them (issue 42's held-out set).
+HELD_OUT_COPY = Path(__file__).resolve().parent / "data" / "copy_heldout.jsonl"
+
+
+def held_out_copy_prompts(num_prompts: int) -> list[list[Message]]:
+    """The held-out copy prompts, in turn."""
+    with open(HELD_OUT_COPY, encoding="utf-8") as f:
+        texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(num_prompts)]
+
+
 def sentences(count: int, text_path: str, seed: int = 0) -> list[str]:
     """`count` runs of 10-40 consecutive words of the text, from seeded places: one-sentence
     embedding requests."""

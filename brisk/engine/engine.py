@@ -259,7 +259,7 @@ def _record_progress(progress: Progress, now: float, iteration: IterationStats) 
     request, times = progress.request, progress.request.times
     iteration.num_generation_tokens += progress.num_new_tokens
     if progress.num_draft_tokens:
-        iteration.spec.observe(progress.num_draft_tokens, progress.num_accepted_tokens)
+        iteration.spec.observe(progress.num_draft_tokens, progress.num_accepted_tokens, progress.draft_source)
     if times.first_token is None:
         times.first_token = now
         if request.child_index == 0:  # once per user request, whatever n is

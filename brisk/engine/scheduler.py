@@ -107,6 +107,7 @@ class Progress:
     num_new_tokens: int  # several when drafts were accepted
     num_draft_tokens: int = 0  # drafts verified in the step
     num_accepted_tokens: int = 0  # of those, accepted
+    draft_source: str = ""  # where they came from (VerifyPlan.source)
 
 
 @dataclass
@@ -320,9 +321,9 @@ class Scheduler:
                 request.num_computed_tokens += chunk.num_new_tokens
                 self.kv.cache_full_blocks(request)
                 continue
-            num_drafts = chunk.num_verify_rows
+            num_drafts, source = chunk.num_verify_rows, chunk.verify.source if chunk.verify is not None else ""
             progressed.append(Progress(request, self._append(request, chunk, tokens), num_drafts,
-                                       len(tokens) - 1 if num_drafts else 0))
+                                       len(tokens) - 1 if num_drafts else 0, source))
             if request.is_finished:
                 self._remove(request)
         return progressed
@@ -345,7 +346,7 @@ class Scheduler:
         request.num_computed_tokens += chunk.num_new_tokens - num_drafts + min(num_accepted, appended)
         request.verify = None
         if num_drafts:
-            request.spec_stats.observe(num_drafts, num_accepted)
+            request.spec_stats.observe(num_drafts, num_accepted, chunk.verify.source)
             self.kv.trim(request, request.num_computed_tokens)
         self.kv.cache_full_blocks(request)
         return appended

@@ -35,10 +35,14 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    # the same counts by where the drafts came from (VerifyPlan.source: "own", "past", "supplied"...)
+    by_source: dict[str, "SpecDecodeStats"] = field(default_factory=dict)
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def observe(self, num_draft_tokens: int, num_accepted: int, source: str = "") -> None:
         """One verify pass: its first num_accepted drafts were accepted."""
-        self.add(SpecDecodeStats(1, num_draft_tokens, num_accepted, [1] * num_accepted))
+        self.add(SpecDecodeStats(1, num_draft_tokens, num_accepted, [1] * num_accepted,
+                                 {source: SpecDecodeStats(1, num_draft_tokens, num_accepted, [1] * num_accepted)}
+                                 if source else {}))
 
     def add(self, other: "SpecDecodeStats") -> None:
         self.num_drafts += other.num_drafts
@@ -48,6 +52,8 @@ class SpecDecodeStats:
         self.accepted_per_position.extend([0] * max(missing, 0))
         for i, count in enumerate(other.accepted_per_position):
             self.accepted_per_position[i] += count
+        for source, counts in other.by_source.items():
+            self.by_source.setdefault(source, SpecDecodeStats()).add(counts)
 
     @property
     def mean_accepted_length(self) -> float:

@@ -43,6 +43,7 @@ class VerifyPlan:
     depths: list[int]
     output_before: list[list[int]]
     ancestor_masks: list[int] | None = None
+    source: str = ""  # where the hook's drafts came from: a label for the metrics only
 
     def __len__(self) -> int:
         return len(self.token_ids)

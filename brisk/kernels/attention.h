@@ -189,7 +189,11 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
         float *restrict partials = scratch;                                                               \
         float *scores_of_thread = scratch + decode_attention_partials(num_seqs, num_heads, parts);        \
         const int64_t scores_stride = decode_attention_scores(num_heads, num_kv_heads);                   \
-        _Pragma("omp for collapse(3) schedule(dynamic)")                                                  \
+        /* tasks handed out a few at a time: one by one, a big batch's thousands of parts per layer     \
+         * spent more in the hand-out than in its shortest parts */                                      \
+        const int64_t tasks = num_seqs * num_kv_heads * parts, handout = tasks / (8 * omp_get_num_threads()); \
+        const int64_t chunk = handout > 1 ? handout : 1;                                                  \
+        _Pragma("omp for collapse(3) schedule(dynamic, chunk)")                                           \
         for (int64_t s = 0; s < num_seqs; s++) {                                                          \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
                 for (int64_t part = 0; part < parts; part++) {                                            \
@@ -197,8 +201,8 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                     /* the first key the row sees: its window's, or the context's */                      \
                     const int64_t seen = window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0; \
                     const int64_t blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE; /* a part past them: empty */ \
-                    const int64_t from = seen / BLOCK_SIZE + part * DECODE_PART_BLOCKS;                   \
-                    const int64_t first = from < blocks ? from : blocks;                                  \
+                    const int64_t first = seen / BLOCK_SIZE + part * DECODE_PART_BLOCKS;                  \
+                    if (first >= blocks) continue; /* past this row's keys: the merge skips it */          \
                     const int64_t last = first + DECODE_PART_BLOCKS < blocks ? first + DECODE_PART_BLOCKS : blocks; \
                     const int64_t start = first * BLOCK_SIZE, end = last * BLOCK_SIZE < len ? last * BLOCK_SIZE : len; \
                     const int64_t padded = (last - first) * BLOCK_SIZE;                                   \
@@ -215,7 +219,7 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                                 prefetch_block(k_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
                                 prefetch_block(v_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
                             }                                                                             \
-                        const int64_t ahead = (b + KV_AHEAD < last ? table[b + KV_AHEAD] : table[b]) * num_kv_heads + h; \
+                        const int64_t ahead = (b + KV_AHEAD < blocks ? table[b + KV_AHEAD] : table[b]) * num_kv_heads + h; \
                         const CT *keys = k_cache + (table[b] * num_kv_heads + h) * block_elems;           \
                         const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
                         for (int64_t g = 0; g < group; g += QHEADS)                                       \
@@ -254,16 +258,20 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-        /* merge the parts: each part's sums rescaled to the largest score of all */                      \
+        /* merge the row's parts: each part's sums rescaled to the largest score of all */                \
         _Pragma("omp for collapse(2) schedule(static)")                                                   \
         for (int64_t s = 0; s < num_seqs; s++) {                                                          \
             for (int64_t head = 0; head < num_heads; head++) {                                            \
                 const int64_t h = head / group, g = head % group;                                         \
+                const int64_t len = context_lens[s];                                                      \
+                const int64_t seen = window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0; \
+                const int64_t own = ((len + BLOCK_SIZE - 1) / BLOCK_SIZE - seen / BLOCK_SIZE + DECODE_PART_BLOCKS - 1) \
+                                    / DECODE_PART_BLOCKS;                                                 \
                 const float *first = partials + (s * num_kv_heads + h) * parts * group * slot + g * slot; \
                 float top = -FLT_MAX, total = 0.0f, o[HEAD_DIM] = {0};                                    \
-                for (int64_t part = 0; part < parts; part++)                                              \
+                for (int64_t part = 0; part < own; part++)                                                \
                     top = first[part * group * slot] > top ? first[part * group * slot] : top;            \
-                for (int64_t part = 0; part < parts; part++) {                                            \
+                for (int64_t part = 0; part < own; part++) {                                              \
                     const float *r = first + part * group * slot;                                         \
                     const float w = expf(r[0] - top);                                                     \
                     total += w * r[1];                                                                    \

@@ -34,6 +34,8 @@ class _Second:
     sequences: int = 0  # summed over the steps: / steps = mean batch size
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache during the second
     prefix_hits: int = 0
+    draft_tokens: int = 0  # speculative drafts verified during the second
+    accepted_tokens: int = 0  # of those, accepted
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     gauges: EngineSnapshot | None = None  # the second's last
@@ -47,6 +49,7 @@ class LiveStats:
         self._last: EngineSnapshot | None = None
         self._lock = threading.Lock()  # record runs on the engine's thread, snapshot on the event loop
         self._cached: tuple[int, dict] | None = None  # one snapshot per second, however many pages poll
+        self._drafted = self._accepted = 0  # speculative decoding's draft tokens since start, and accepted
         self.started = clock()
 
     def record(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
@@ -66,6 +69,10 @@ class LiveStats:
             if self._last is not None:  # the snapshot's prefix figures are cumulative
                 bucket.prefix_queries += snapshot.prefix_cache_queries - self._last.prefix_cache_queries
                 bucket.prefix_hits += snapshot.prefix_cache_hits - self._last.prefix_cache_hits
+            bucket.draft_tokens += iteration.spec.num_draft_tokens
+            bucket.accepted_tokens += iteration.spec.num_accepted_tokens
+            self._drafted += iteration.spec.num_draft_tokens
+            self._accepted += iteration.spec.num_accepted_tokens
             bucket.ttfts.extend(iteration.time_to_first_tokens)
             bucket.itls.extend(iteration.inter_token_latencies)
             bucket.gauges = self._last = snapshot
@@ -78,15 +85,15 @@ class LiveStats:
             return self._cached[1]
         with self._lock:  # copies: record() goes on filling the current bucket meanwhile
             by_second = {s: replace(b, ttfts=list(b.ttfts), itls=list(b.itls)) for s, b in self._seconds}
-            carried, last = self._expired, self._last
+            carried, last, drafted, accepted = self._expired, self._last, self._drafted, self._accepted
         first = now - WINDOW
         for second, bucket in by_second.items():  # the gauges standing when the window opens
             if second < first and bucket.gauges is not None:
                 carried = bucket.gauges
         series: dict[str, list] = {name: [] for name in (
             "t", "output_tokens_per_s", "prompt_tokens_per_s", "requests_finished_per_s", "mean_batch_size",
-            "running", "waiting", "kv_cache_usage", "prefix_cache_hit_rate", "ttft_p50_ms", "ttft_p99_ms",
-            "itl_p50_ms", "itl_p99_ms")}
+            "running", "waiting", "kv_cache_usage", "prefix_cache_hit_rate", "spec_acceptance_rate", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
         recent: deque[_Second] = deque(maxlen=LATENCY_WINDOW)
         for second in range(first, now):
             bucket = by_second.get(second, _Second())
@@ -102,6 +109,8 @@ class LiveStats:
             series["kv_cache_usage"].append(carried.kv_cache_usage if carried else 0.0)
             series["prefix_cache_hit_rate"].append(
                 bucket.prefix_hits / bucket.prefix_queries if bucket.prefix_queries else None)
+            series["spec_acceptance_rate"].append(
+                bucket.accepted_tokens / bucket.draft_tokens if bucket.draft_tokens else None)
             for name in ("ttft", "itl"):
                 p50, p99 = _ms([v for b in recent for v in getattr(b, name + "s")], (0.5, 0.99))
                 series[f"{name}_p50_ms"].append(p50)
@@ -113,7 +122,9 @@ class LiveStats:
             "now": {"running": last.num_running if last else 0, "waiting": last.num_waiting if last else 0,
                     "kv_cache_usage": last.kv_cache_usage if last else 0.0,
                     "prefix_cache_hit_rate": (last.prefix_cache_hits / last.prefix_cache_queries
-                                              if last and last.prefix_cache_queries else 0.0)},
+                                              if last and last.prefix_cache_queries else 0.0),
+                    # draft tokens accepted over verified, since start (None: nothing drafted yet)
+                    "spec_acceptance_rate": accepted / drafted if drafted else None},
             "latency_ms": {name: _summary([v for b in window for v in getattr(b, name + "s")])
                            for name in ("ttft", "itl")},
             "series": series,

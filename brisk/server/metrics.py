@@ -55,6 +55,13 @@ class PrometheusStatLogger:
         self._spec_per_position = Counter("brisk:spec_decode_num_accepted_tokens_per_pos",
                                           "Draft tokens accepted, by position in the draft (0 = first).",
                                           labelnames=[*labels, "position"], registry=r)
+        by_source = {name: Counter(f"brisk:spec_decode_source_{name}", doc, labelnames=[*labels, "source"], registry=r)
+                     for name, doc in (("num_drafts", "Verify passes with drafts, by where the drafts came from "
+                                                      "(own: the sequence's tokens; past: other requests' outputs; "
+                                                      "supplied: the request's draft, e.g. a response-cache candidate)."),
+                                       ("num_draft_tokens", "Draft tokens verified, by source."),
+                                       ("num_accepted_tokens", "Draft tokens accepted, by source."))}
+        self._spec_by_source = [by_source[n] for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
         self._labels = labels
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
@@ -158,6 +165,10 @@ class PrometheusStatLogger:
             self.spec_accepted.inc(spec.num_accepted_tokens)
             for position, count in enumerate(spec.accepted_per_position):
                 self._spec_per_position.labels(**self._labels, position=str(position)).inc(count)
+            for source, counts in spec.by_source.items():
+                for metric, value in zip(self._spec_by_source, (counts.num_drafts, counts.num_draft_tokens,
+                                                                counts.num_accepted_tokens)):
+                    metric.labels(**self._labels, source=source).inc(value)
         for value in iteration.time_to_first_tokens:
             self.ttft.observe(value)
         for value in iteration.inter_token_latencies:

@@ -100,7 +100,7 @@ class DraftModelDrafter(Drafter):
                 drafts[s.request_id].append(token)
                 if len(drafts[s.request_id]) < wanted[s.request_id]:
                     active.append(self._shadows[s.request_id])
-        return [Draft(drafts[r.request_id]) for r in requests]
+        return [Draft(drafts[r.request_id], source="model") for r in requests]
 
     def forget(self, live: set[str]) -> None:
         for request_id in [i for i in self._shadows if i not in live]:

@@ -114,7 +114,7 @@ class MedusaDrafter(Drafter):
                 kept[i] = len(tokens)
                 tokens.append(candidates[node.head][n][node.rank])
                 parents.append(kept[node.parent] if node.parent >= 0 else -1)
-        return Draft(tokens, parents)
+        return Draft(tokens, parents, source="heads")
 
 
 def _proposal_head(model: LlamaForCausalLM) -> QuantizedWeight:

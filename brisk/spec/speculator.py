@@ -103,7 +103,7 @@ class Speculator:
             request.verify = None
         decoding = [r for r in running if r.status is RequestStatus.RUNNING
                     and r.num_tokens - r.num_computed_tokens == 1]
-        drafts = {r.request_id: Draft(tokens) for r in decoding if (tokens := _supplied(r))}
+        drafts = {r.request_id: Draft(tokens, source="supplied") for r in decoding if (tokens := _supplied(r))}
         drafting = [r for r in decoding if r.request_id not in drafts]
         if drafting and len(running) <= self.disable_by_batch_size:
             budgets = [self._budget(r) for r in drafting]

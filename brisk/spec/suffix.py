@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -214,21 +214,21 @@ class SuffixDrafter(Drafter):
             own = self._own[request.request_id] = SuffixIndex()
         own.tokens, own.base = tokens, 0  # the request's own list: nothing copied
         own.append([], index_last=False)
-        sources = [own]
+        sources = [("own", own)]
         if request.supplied_draft:
             if request.request_id not in self._brought:
                 self._brought[request.request_id] = SuffixIndex()
                 self._brought[request.request_id].append([*request.supplied_draft, SEPARATOR])
-            sources.append(self._brought[request.request_id])
+            sources.append(("supplied", self._brought[request.request_id]))
         if (past := self._past.get(partition(request))) is not None:
-            sources.append(past)
+            sources.append(("past", past))
         best = (Draft([]), 0.0)
-        for index in sources:
+        for source, index in sources:
             length, paths = index.continuations(tokens, self.max_depth, budget)
             limit = min(budget, MAX_TREE_TOKENS, int(self.spec_factor * length))
             draft, score = draft_tree(paths, limit, self.min_prob)
             if score > best[1]:
-                best = (draft, score)
+                best = (replace(draft, source=source), score)
         return best[0]
 
 

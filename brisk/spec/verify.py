@@ -38,6 +38,9 @@ class Draft:
 
     token_ids: list[int]
     parents: list[int] | None = None  # None: a chain, token i's parent is token i - 1
+    # where the tokens came from, for the metrics: "own" (the sequence's prompt and output), "past"
+    # (other requests' outputs), "supplied" (the request's own draft), "model", "heads"
+    source: str = "own"
 
 
 def accepted_path(token_ids: list[int], parents: list[int] | None, samples: list[int]) -> list[int]:
@@ -91,9 +94,9 @@ def verify_plan(draft: Draft) -> VerifyPlan:
     branches = [branch(draft.parents, i) for i in range(n)]
     before = [[draft.token_ids[j] for j in b] for b in branches]
     if draft.parents is None:
-        return VerifyPlan(draft.token_ids, list(range(1, n + 1)), before)
+        return VerifyPlan(draft.token_ids, list(range(1, n + 1)), before, source=draft.source)
     return VerifyPlan(draft.token_ids, tree_depths(draft.parents), before,
-                      [_ancestor_mask(i, b) for i, b in enumerate(branches)])
+                      [_ancestor_mask(i, b) for i, b in enumerate(branches)], draft.source)
 
 
 def _ancestor_mask(i: int, ancestors: list[int]) -> int:

@@ -14,6 +14,7 @@ from brisk.cache.sqlite_store import SQLiteStore
 from brisk.config import ConfigError, EngineConfig, ResponseCacheConfig
 from brisk.server.caching import ResponseCaching
 from brisk.transport.async_engine import AsyncEngine
+from tests.helpers import metric_values
 from tests.server.conftest import running_server
 
 pytestmark = pytest.mark.real_model
@@ -63,6 +64,8 @@ def test_a_paraphrases_answer_is_the_models_own_and_mostly_drafted(client):
     verified = ask(client, "How can I cancel my order?")
     assert verified.headers["x-brisk-cache"] == "verified" and answer(verified) == own
     assert float(verified.headers["x-brisk-cache-accepted"]) > 0
+    checked = metric_values(client.get("/metrics").text)  # the candidates count as the requests' own drafts
+    assert checked['brisk:spec_decode_source_num_accepted_tokens_total{source="supplied"}'] > 0
 
 
 def test_with_verification_a_request_about_its_own_tokens_may_match_by_meaning(client):

@@ -13,7 +13,7 @@ import pytest
 
 from brisk.bench.dashboard import open_browser
 from brisk.bench.load import LoadRequest, LoadSettings, run_load
-from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
+from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, SpecDecodeStats
 from brisk.server.live import WINDOW, LiveStats
 from tests.helpers import require
 
@@ -42,7 +42,8 @@ def test_live_stats_bucket_each_second_and_fill_idle_ones():
                                time_to_first_tokens=[0.1, 0.3], inter_token_latencies=[0.02]))
     live.record(_snapshot(2, 0, 0.5, queries=100, hits=40),
                 IterationStats(num_sequences=2, num_generation_tokens=2, inter_token_latencies=[0.04, 0.06],
-                               finished=[FinishedRequestStats("stop", 1.0, 0.1, 10)]))
+                               finished=[FinishedRequestStats("stop", 1.0, 0.1, 10)],
+                               spec=SpecDecodeStats(2, 8, 6, [2, 2, 1, 1])))
     clock.now = 1003.7  # three idle seconds later, the fourth under way
     snap = live.snapshot()
     s = snap["series"]
@@ -56,10 +57,13 @@ def test_live_stats_bucket_each_second_and_fill_idle_ones():
     assert s["kv_cache_usage"][-1] == 0.5 and s["output_tokens_per_s"][at + 1:] == [0, 0]
     # the prefix cache per second: second 1000 looked up 40 tokens and found all 40; idle ones none
     assert s["prefix_cache_hit_rate"][at] == 1.0 and s["prefix_cache_hit_rate"][at + 1] is None
+    # speculative drafts: 6 of second 1000's 8 draft tokens accepted; none drafted in the others
+    assert s["spec_acceptance_rate"][at] == 0.75 and s["spec_acceptance_rate"][at - 1] is None
     # TTFT over the trailing 10 s: both samples, until they age out
     assert s["ttft_p50_ms"][at] == pytest.approx(200) and s["ttft_p50_ms"][at - 1] is None
     assert snap["latency_ms"]["itl"]["count"] == 3 and snap["latency_ms"]["itl"]["p50"] == pytest.approx(40)
-    assert snap["now"] == {"running": 2, "waiting": 0, "kv_cache_usage": 0.5, "prefix_cache_hit_rate": 0.4}
+    assert snap["now"] == {"running": 2, "waiting": 0, "kv_cache_usage": 0.5, "prefix_cache_hit_rate": 0.4,
+                           "spec_acceptance_rate": 0.75}
     clock.now = 1000.2 + WINDOW + 2  # the steps' seconds have left the window
     later = live.snapshot()
     assert sum(later["series"]["output_tokens_per_s"]) == 0 and later["latency_ms"]["ttft"]["count"] == 0
@@ -79,8 +83,8 @@ def test_metrics_json_and_the_page_are_served_without_a_key(tiny_engine):
         assert "http://" not in page.text and "https://" not in page.text  # it fetches nothing from elsewhere
         data = httpx.get(f"{url}/metrics.json").json()
         assert data["model"] == "tiny" and data["response_cache"] == {"enabled": False} and data["tenants"] == {}
-        assert len(data["series"]["t"]) == WINDOW and set(data["now"]) == {"running", "waiting", "kv_cache_usage",
-                                                                            "prefix_cache_hit_rate"}
+        assert len(data["series"]["t"]) == WINDOW and set(data["now"]) == {
+            "running", "waiting", "kv_cache_usage", "prefix_cache_hit_rate", "spec_acceptance_rate"}
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the rest still needs the key
 
 

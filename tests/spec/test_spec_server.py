@@ -37,3 +37,7 @@ def test_metrics_count_drafts_and_accepted_tokens(tmp_path):
     assert sum(per_position.values()) == accepted
     first = per_position.get('brisk:spec_decode_num_accepted_tokens_per_pos_total{position="0"}', 0)
     assert all(v <= first for v in per_position.values())  # a later position is accepted only after the earlier
+    # by source: prompt lookup drafts only from the sequence's own tokens
+    own = {name: values[f'brisk:spec_decode_source_{name}_total{{source="own"}}']
+           for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    assert own == {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted}

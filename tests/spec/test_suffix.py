@@ -68,7 +68,7 @@ def test_drafts_grow_with_the_match_and_come_from_the_requests_own_tokens_or_its
     drafter.learn([answered])
     same = _request("b", [9, 9, 3, 4], tenant="acme")
     other = _request("c", [9, 9, 3, 4], tenant="umbrella")
-    assert drafter.propose([same, other], [8, 8], {}) == [Draft([50, 51]), Draft([])]
+    assert drafter.propose([same, other], [8, 8], {}) == [Draft([50, 51], source="past"), Draft([])]
 
 
 def test_a_brought_draft_still_drafts_once_the_output_has_left_it():
@@ -166,6 +166,7 @@ def test_suffix_drafts_give_plain_decodings_tokens_and_a_repeat_is_drafted_whole
         assert mine.outputs[0].token_ids == reference.outputs[0].token_ids
     stats = again.metrics.spec_decode
     assert stats.num_accepted_tokens >= 0.9 * len(again.outputs[0].token_ids)  # the first answer, drafted back
+    assert stats.by_source["past"].num_accepted_tokens >= 0.8 * len(again.outputs[0].token_ids)
     assert stats.num_drafts <= len(again.outputs[0].token_ids) / 8
 
 
@@ -190,4 +191,5 @@ def test_one_tenants_answers_never_draft_for_another(default_llm, speculating):
     assert stranger.outputs[0].token_ids == first.outputs[0].token_ids == again.outputs[0].token_ids
     assert again.metrics.spec_decode.num_accepted_tokens >= 0.9 * 64
     # the stranger drafted from its own prompt at most: nothing it accepted came from acme's answer
+    assert "past" not in stranger.metrics.spec_decode.by_source
     assert stranger.metrics.spec_decode.num_accepted_tokens < 0.5 * 64
