@@ -111,8 +111,8 @@ def add_bench_parser(sub) -> None:
     rc.set_defaults(func=_main_of("brisk.bench.cache"))
 
     sp = kinds.add_parser("spec", help="speculative decoding (ngram, suffix, self-drafts, Medusa) vs plain decoding")
-    sp.add_argument("--methods", nargs="+", default=["ngram", "suffix", "self-int8", "self-int4"],
-                    choices=["ngram", "suffix", "self-int8", "self-int4"])
+    sp.add_argument("--methods", nargs="+", default=["ngram", "suffix"], choices=["ngram", "suffix", "self-int8", "self-int4"],
+                    help="self-int8/self-int4 draft for a float target only (--quantization none for a GGUF file)")
     sp.add_argument("--num-speculative-tokens", type=int, default=4)
     sp.add_argument("--medusa", default=None, metavar="DIR",
                     help="Medusa heads (`brisk train-medusa`) to run on the chat prompts too")
