@@ -17,6 +17,9 @@ from tests.helpers import metric_values
 from tests.server.conftest import serve_tiny
 
 FLOOD, FLOOD_TOKENS, SEATS = 8, 400, 4
+# beta's streams: long enough that its second still finds its first running (both then hold seats
+# taken from alpha), however the host delays the second's arrival
+BETA_TOKENS = 64
 KEYS = "ka alpha\nkb beta max_concurrent=3 max_queued_tokens=100000\n"
 
 
@@ -87,11 +90,11 @@ class Tape:
 
 def _flood_then_two(url: str) -> Tape:
     """alpha floods (FLOOD streams of FLOOD_TOKENS, twice the seats); once its streams run, beta
-    sends two short ones."""
+    sends two shorter ones."""
     tape = Tape()
     flood = [tape.stream(url, "ka", f"alpha{i}", FLOOD_TOKENS) for i in range(FLOOD)]
     _until(lambda: sum(tape.count(f"alpha{i}") for i in range(FLOOD)) >= 3 * SEATS, "the batch full and decoding")
-    beta = [tape.stream(url, "kb", f"beta{i}", 8) for i in range(2)]
+    beta = [tape.stream(url, "kb", f"beta{i}", BETA_TOKENS) for i in range(2)]
     for thread in itertools.chain(beta, flood):
         thread.join(timeout=600)
     return tape
@@ -121,7 +124,8 @@ def test_a_flooding_tenant_queues_behind_its_own_requests(server):
     tenant = {t: {name: metrics.get(f'brisk:tenant_{name}_total{{tenant="{t}"}}')
                   for name in ("requests", "prompt_tokens", "generation_tokens")} for t in ("alpha", "beta")}
     assert tenant["alpha"]["requests"] == FLOOD and tenant["beta"]["requests"] == 2
-    assert tenant["alpha"]["generation_tokens"] == FLOOD * FLOOD_TOKENS and tenant["beta"]["generation_tokens"] == 16
+    assert tenant["alpha"]["generation_tokens"] == FLOOD * FLOOD_TOKENS
+    assert tenant["beta"]["generation_tokens"] == 2 * BETA_TOKENS
     for name in ("prompt_tokens", "generation_tokens"):
         assert sum(tenant[t][name] for t in tenant) == metrics[f"brisk:{name}_total"]
 
@@ -160,17 +164,20 @@ def test_priorities_reorder_the_queue(server):
     tape = Tape()
     first = tape.stream(url, "ka", "running", 3000)
     _until(lambda: tape.count("running"), "the first request to run")
-    later = tape.stream(url, "ka", "later", 4, priority=5)
+    later = tape.stream(url, "ka", "later", 32, priority=5)
     _wait_for_waiting(url, 1)  # queued behind the running one before the next arrives
-    sooner = tape.stream(url, "ka", "sooner", 4, priority=1)
+    sooner = tape.stream(url, "ka", "sooner", 32, priority=1)
     _wait_for_waiting(url, 2)
     assert tape.count("running") < 3000  # both queued while the first still ran
     for thread in (first, later, sooner):
         thread.join(timeout=600)
+    # The tape is the client's view: three threads reading three streams may record a token a few
+    # engine steps late. One seat: sooner's 32 tokens all come before later's first.
     order = [name for name, what in tape.events if what == "token"]
     assert order.index("sooner") < order.index("later")
     # neither took the running request's seat (its priority, 0, is better): it ran to the end first
-    assert order.index("sooner") > max(i for i, name in enumerate(order) if name == "running")
+    # (a preempted one would have hundreds of tokens left; a late reader, a few)
+    assert order[order.index("sooner"):].count("running") <= 3
     assert {tape.finished(n) for n in ("running", "later", "sooner")} == {"length"}
 
 
