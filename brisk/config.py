@@ -89,7 +89,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     suffix_decoding_max_tree_depth: int = 24  # the longest match looked for, and the deepest draft
     suffix_decoding_max_cached_requests: int = 10000  # finished outputs kept (0: the request's own tokens only)
-    suffix_decoding_max_cached_tokens: int = 1_000_000  # and their tokens at most (about 100 bytes each)
+    suffix_decoding_max_cached_tokens: int = 500_000  # and their tokens at most (at most ~220 bytes each)
     suffix_decoding_max_spec_factor: float = 1.0  # drafts at most this x the match length
     suffix_decoding_min_token_prob: float = 0.1  # drafts no token fewer than this share of occurrences continue with
     # Speculation costs rows of the verify pass; past this many running sequences a step is

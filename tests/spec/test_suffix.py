@@ -6,6 +6,8 @@ token, while a repeated question is drafted almost whole from the first answer."
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from brisk import SamplingParams
@@ -79,6 +81,18 @@ def test_a_brought_draft_still_drafts_once_the_output_has_left_it():
     assert drafter.propose([request], [8], {})[0].token_ids == [15, 16]  # "13 14" matched: two tokens
     drafter.forget(set())
     assert not drafter._brought and not drafter._own
+
+
+def test_the_index_holds_a_few_hundred_bytes_a_token_and_its_cap_bounds_them():
+    """Every pair of tokens new (the worst case): about 220 bytes a token (suffix.py's docstring),
+    and a drafter's memory follows its token cap, not what it has seen."""
+    drafter = SuffixDrafter(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_tokens=20_000))
+    tracemalloc.start()
+    for i in range(200):  # 200 answers of 300 distinct tokens: 60,000 tokens seen, 20,000 kept
+        drafter.learn([_request(str(i), [1, 2], list(range(300 * i, 300 * i + 300)))])
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert drafter.num_cached_tokens <= 20_000 and held < 260 * 20_000
 
 
 def test_the_past_outputs_stay_under_their_caps_oldest_out_first():
