@@ -7,14 +7,17 @@ token, while a repeated question is drafted almost whole from the first answer."
 from __future__ import annotations
 
 import tracemalloc
+from dataclasses import replace
 
 import pytest
 
 from brisk import SamplingParams
+from brisk.bench.workloads import copy_prompts
 from brisk.config import ConfigError, SpeculativeConfig
 from brisk.engine.request import EngineRequest, Request, RequestStatus
 from brisk.engine.step_hook import NoStepHook
 from brisk.spec.drafter import Drafter
+from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
 from brisk.spec.suffix import SEPARATOR, SuffixDrafter, SuffixIndex, draft_tree
 from brisk.spec.verify import Draft
@@ -159,6 +162,7 @@ def test_a_verify_pass_computes_the_sequences_row_as_decoding_it_alone(default_l
     row decoded alone (attention splits a row's keys by a fixed size, not by the batch: with int8
     activations a split by batch size moved logprobs by up to 0.4)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
+    default_llm.chat([QUESTION], replace(params, max_tokens=1), use_tqdm=False)  # both runs then hit the prefix cache
     plain = default_llm.chat([QUESTION], params, use_tqdm=False)[0].outputs[0]
     speculating(lambda spec: _Wrong(), num_speculative_tokens=4)
     verified = default_llm.chat([QUESTION], params, use_tqdm=False)[0].outputs[0]
@@ -171,6 +175,7 @@ def test_a_verify_pass_computes_the_sequences_row_as_decoding_it_alone(default_l
 def test_suffix_drafts_give_plain_decodings_tokens_and_a_repeat_is_drafted_whole(default_llm, speculating):
     params = SamplingParams(temperature=0.0, max_tokens=96)
     others = [[{"role": "user", "content": f"Name {n} fruits, one per line."}] for n in (3, 5)]
+    default_llm.chat([QUESTION, *others], replace(params, max_tokens=1), use_tqdm=False)  # every run hits the prefix cache
     plain = default_llm.chat([QUESTION, *others], params, use_tqdm=False)
     speculating(SuffixDrafter, method="suffix", disable_by_batch_size=8)
     first = default_llm.chat([QUESTION], params, use_tqdm=False)[0]
@@ -182,6 +187,22 @@ def test_suffix_drafts_give_plain_decodings_tokens_and_a_repeat_is_drafted_whole
     assert stats.num_accepted_tokens >= 0.9 * len(again.outputs[0].token_ids)  # the first answer, drafted back
     assert stats.by_source["past"].num_accepted_tokens >= 0.8 * len(again.outputs[0].token_ids)
     assert stats.num_drafts <= len(again.outputs[0].token_ids) / 8
+
+
+@pytest.mark.real_model
+def test_prompt_lookup_gives_plain_decodings_tokens_on_the_default_model(default_llm, speculating):
+    """Copy prompts, where most drafts are accepted: every verify pass's rows as decoding alone.
+    The prompts run once first, so both runs compared find them in the prefix cache alike (a
+    prompt's tail computed after a hit takes another path than a whole prefill: a difference of
+    its own, not speculation's)."""
+    prompts = [{"prompt_token_ids": default_llm.tokenizer.encode_chat(c)} for c in copy_prompts(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    default_llm.generate(prompts, replace(params, max_tokens=1), use_tqdm=False)
+    plain = default_llm.generate(prompts, params, use_tqdm=False)
+    speculating(lambda spec: NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max), disable_by_batch_size=8)
+    drafted = default_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.spec_decode.num_accepted_tokens for o in drafted) > 64  # the drafts did run
 
 
 @pytest.mark.real_model
