@@ -40,9 +40,10 @@ class SpecDecodeStats:
 
     def observe(self, num_draft_tokens: int, num_accepted: int, source: str = "") -> None:
         """One verify pass: its first num_accepted drafts were accepted."""
-        self.add(SpecDecodeStats(1, num_draft_tokens, num_accepted, [1] * num_accepted,
-                                 {source: SpecDecodeStats(1, num_draft_tokens, num_accepted, [1] * num_accepted)}
-                                 if source else {}))
+        one = SpecDecodeStats(1, num_draft_tokens, num_accepted, [1] * num_accepted)
+        self.add(one)
+        if source:
+            self.by_source.setdefault(source, SpecDecodeStats()).add(one)
 
     def add(self, other: "SpecDecodeStats") -> None:
         self.num_drafts += other.num_drafts

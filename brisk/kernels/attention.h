@@ -51,6 +51,12 @@ static inline void prefetch_block(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
 
+/* The first key row s sees: its window's, or the context's. positions is read only for a window
+ * layer (callers pass NULL otherwise). */
+static inline int64_t decode_first_key(int64_t window, const int64_t *positions, int64_t s) {
+    return window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0;
+}
+
 /*
  * A group's query heads are scored and summed in tiles of up to QHEADS heads, each key and value
  * converted to float once for the whole tile (in registers, never into a scratch copy), and each
@@ -198,8 +204,7 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
                 for (int64_t part = 0; part < parts; part++) {                                            \
                     const int64_t len = context_lens[s];                                                  \
-                    /* the first key the row sees: its window's, or the context's */                      \
-                    const int64_t seen = window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0; \
+                    const int64_t seen = decode_first_key(window, positions, s);                          \
                     const int64_t blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE; /* a part past them: empty */ \
                     const int64_t first = seen / BLOCK_SIZE + part * DECODE_PART_BLOCKS;                  \
                     if (first >= blocks) continue; /* past this row's keys: the merge skips it */          \
@@ -264,7 +269,7 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
             for (int64_t head = 0; head < num_heads; head++) {                                            \
                 const int64_t h = head / group, g = head % group;                                         \
                 const int64_t len = context_lens[s];                                                      \
-                const int64_t seen = window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0; \
+                const int64_t seen = decode_first_key(window, positions, s);                              \
                 const int64_t own = ((len + BLOCK_SIZE - 1) / BLOCK_SIZE - seen / BLOCK_SIZE + DECODE_PART_BLOCKS - 1) \
                                     / DECODE_PART_BLOCKS;                                                 \
                 const float *first = partials + (s * num_kv_heads + h) * parts * group * slot + g * slot; \

@@ -168,8 +168,8 @@ def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 def tiles_rows(weight: QuantizedTensor) -> bool:
-    """Whether `weight` has a tiled layout (TILED): Q8_0 or Q4_K, or int4/int5 with a scale per
-    block of 32 and rows of whole blocks."""
+    """Whether `weight` has a tiled layout (TILED): Q8_0, Q4_K or Q6_K, or int4/int5 with a scale
+    per block of 32 and rows of whole blocks."""
     return (weight.format in ("q8_0", "q4_k", "q6_k") or weight.format in ("int4", "int5") and weight.group_size == BLOCK
             and weight.shape[1] % BLOCK == 0)
 

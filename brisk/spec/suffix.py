@@ -215,9 +215,8 @@ class SuffixDrafter(Drafter):
     def _propose(self, request: Request, budget: int) -> Draft:
         tokens = request.token_ids
         own = self._own.get(request.request_id)
-        if own is None:
-            own = self._own[request.request_id] = SuffixIndex()
-        own.tokens, own.base = tokens, 0  # the request's own list: nothing copied
+        if own is None:  # over the request's own token list: nothing copied, its new tokens indexed as they come
+            own = self._own[request.request_id] = SuffixIndex(tokens)
         own.append([], index_last=False)
         sources = [("own", own)]
         if request.supplied_draft:
