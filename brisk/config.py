@@ -90,10 +90,15 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24  # the longest match looked for, and the deepest draft
     suffix_decoding_max_cached_requests: int = 10000  # finished outputs kept (0: the request's own tokens only)
     suffix_decoding_max_cached_tokens: int = 500_000  # and their tokens at most (at most ~220 bytes each)
-    suffix_decoding_max_spec_factor: float = 1.0  # drafts at most this x the match length
+    # drafts at most this x the match length. vLLM's default is 1.0, for GPUs, where a verify row is
+    # nearly free; on a 2-core CPU each row costs a quarter of a decode step (attention over the
+    # context and the products per row: docs/benchmark-notes.md), and 0.5 decoded copy, held-out
+    # copy and agent workloads 6-12% faster than 1.0 (0.25 and 0.75 slower too; `brisk bench spec`)
+    suffix_decoding_max_spec_factor: float = 0.5
     suffix_decoding_min_token_prob: float = 0.1  # drafts no token fewer than this share of occurrences continue with
-    # Speculation costs rows of the verify pass; past this many running sequences a step is
-    # compute-bound and it stops paying (None: the engine's measured default, see brisk/spec).
+    # No drafting past this many running sequences. None: prompt lookup and suffix decoding draft
+    # for a sequence while its drafts are accepted often enough to pay for their verify rows at
+    # the batch's size (measured per step: spec/speculator.py); draft models and Medusa stop past 1.
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:

@@ -119,15 +119,17 @@ def add_bench_parser(sub) -> None:
     sp.add_argument("--medusa-tree-size", type=int, default=3, help="candidates in Medusa's tree")
     sp.add_argument("--draft-models", nargs="+", default=[], metavar="DIR",
                     help="draft model folders (a `brisk distill` student, say) to run on the chat prompts too")
-    sp.add_argument("--num-prompts", type=int, default=8, help="prompts per workload (the batch of the 'at once' run)")
+    sp.add_argument("--workloads", nargs="+", default=["copy", "held-out copy", "agent", "chat", "verified hits"],
+                    choices=["copy", "held-out copy", "agent", "chat", "verified hits"])
+    sp.add_argument("--num-prompts", type=int, default=8, help="prompts per workload run one at a time")
+    sp.add_argument("--concurrency", type=int, nargs="+", default=[8, 32],
+                    help="requests at once in the batched runs (the agent's conversations run all at once)")
     sp.add_argument("--output-len", type=int, default=128)
+    sp.add_argument("--hit-answer-len", type=int, default=256, help="tokens an answer may have in the verified hits")
     sp.add_argument("--temperature", type=float, default=0.0)
-    sp.add_argument("--rounds", type=int, default=2)
+    sp.add_argument("--rounds", type=int, default=3)
     add_engine_arguments(sp)
-    # no prefix caching: each row prefills its prompts as the first did (a row's end-to-end speed is not
-    # helped by the rows before it), and the outputs are comparable token for token
-    sp.set_defaults(func=_main_of("brisk.bench.spec"), dtype="float32", kv_cache_memory_gib=2.0,
-                    enable_prefix_caching=False)
+    sp.set_defaults(func=_main_of("brisk.bench.spec"), dtype="float32", kv_cache_memory_gib=2.0)
 
     st = kinds.add_parser("step", help="where a decode step's time goes: matmuls, attention, the rest")
     st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])

@@ -135,7 +135,7 @@ def not_applicable(t: Technique, base: EngineConfig, model_path: str, concurrenc
     if t.engine.get("speculative_config"):
         spec = SpeculativeConfig.parse(t.engine["speculative_config"])
         cap = drafting_limit(spec)
-        if concurrency > cap:
+        if cap is not None and concurrency > cap:
             return (f"no effect possible: the {spec.method} drafter drafts only while at most {cap} sequences run "
                     f"(its rule), and this workload keeps {concurrency} in flight")
     return None

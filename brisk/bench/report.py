@@ -118,9 +118,16 @@ SECTIONS = (
             "alone (the LM head, the JSON-schema masks), and per request prompt logprobs and the tokenizer.",
             ("bench", "vocab", "--beside", "data/gemma-3-270m-q4_k_m.gguf"),
             ("--rounds", "1", "--steps", "5", "--batch-sizes", "1", "8", "--prompt-logprobs-len", "64")),
-    Section("spec", "Speculative decoding", "Prompt lookup and suffix decoding against plain decoding, on the default "
-            "model as users get it (its own low-bit copy cannot draft for it: it already runs the file's blocks).",
-            ("bench", "spec"), ("--num-prompts", "2", "--output-len", "32", "--rounds", "1")),
+    Section("spec", "Speculative decoding",
+            "Prompt lookup and suffix decoding against plain decoding, on the default model as users get it "
+            "(its own low-bit copy cannot draft for it: it already runs the file's blocks): copy prompts, "
+            "held-out copy prompts written after the suffix drafter was frozen, three agent conversations "
+            "that re-send a tool's output and earlier answers, chat; one at a time, then 8 and 32 at once "
+            "(the agent's three at once), in interleaved rounds. Then verified semantic hits: a cached "
+            "answer as the draft of another question's request, its answer compared token for token with "
+            "the uncached one.",
+            ("bench", "spec"), ("--num-prompts", "2", "--output-len", "32", "--rounds", "1", "--concurrency", "2",
+                                "--hit-answer-len", "32")),
     Section("batching", "Offline batching: static, sorted, continuous",
             "The 80 MT-Bench questions through one engine with each batching strategy.",
             ("bench", "batching"), ("--output-len", "32",)),

@@ -95,6 +95,21 @@ def held_out_copy_prompts(num_prompts: int) -> list[list[Message]]:
     return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(num_prompts)]
 
 
+# Agent-style conversations (a coding agent, a data agent, an operations agent): each turn adds a
+# user request, the first also a tool's output (a file, a JSON result, a log); the model answers
+# every turn, and each later turn re-sends the tool output and the earlier answers.
+AGENT_CONVERSATIONS = Path(__file__).resolve().parent / "data" / "agent_conversations.jsonl"
+
+Conversation = list[list[Message]]  # the messages each turn adds before the model answers it
+
+
+def agent_conversations() -> list[Conversation]:
+    """The agent conversations, their system prompts in their first turns."""
+    with open(AGENT_CONVERSATIONS, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [[[{"role": "system", "content": r["system"]}, *r["turns"][0]], *r["turns"][1:]] for r in records]
+
+
 def sentences(count: int, text_path: str, seed: int = 0) -> list[str]:
     """`count` runs of 10-40 consecutive words of the text, from seeded places: one-sentence
     embedding requests."""

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -175,24 +176,23 @@ def test_knobs_that_cannot_act_on_the_workload_are_reported_not_tried(tmp_path, 
     assert "at most 8 requests in flight, within the limit of 16" in not_applicable(seqs, base, weights, 8)
     assert not_applicable(seqs, base, weights, 32) is None
     assert not_applicable(seqs, base, weights, None) is None  # open Poisson arrivals: the load decides
-    # the drafter's own rule, read from it: prompt lookup drafts up to 2 running sequences by default
-    limit = drafting_limit(SpeculativeConfig.parse(NGRAM))
-    assert "drafts only while at most 2 sequences run" in not_applicable(ngram, base, weights, limit + 1)
-    assert not_applicable(ngram, base, weights, limit) is None
+    # the drafter's own rule, read from it: prompt lookup drafts at any load (its drafts' acceptance
+    # decides per sequence), unless its config caps the running sequences
+    assert drafting_limit(SpeculativeConfig.parse(NGRAM)) is None and not_applicable(ngram, base, weights, 64) is None
+    capped = replace(ngram, engine={"speculative_config": {**NGRAM, "disable_by_batch_size": 2}})
+    assert "drafts only while at most 2 sequences run" in not_applicable(capped, base, weights, 3)
+    assert not_applicable(capped, base, weights, 2) is None
     for blocks in ("gguf", "gguf-a8"):  # a GGUF file's own blocks: a folder of weights has none
         assert not_applicable(technique(blocks), base, "/models/m/", None) == "the model is not a GGUF file"
         assert not_applicable(technique(blocks), base, "/models/m.Q4_1.gguf", None) is None
     opt = _scripted(tmp_path, "--max-concurrency", "8", "--skip", "int4", model=weights)
-    opt.skipped.pop("seqs-16"), opt.skipped.pop("ngram")  # offered, so the rule and not --skip leaves them out
+    opt.skipped.pop("seqs-16")  # offered, so the rule and not --skip leaves it out
     opt.run()
-    assert {c.name for c in opt.measured} >= {"plain", "int8"}
-    assert "ngram" not in {c.name for c in opt.measured} and "seqs-16" not in {c.name for c in opt.measured}
+    assert {c.name for c in opt.measured} >= {"plain", "int8"} and "seqs-16" not in {c.name for c in opt.measured}
     write_outputs(opt, None, tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert "| seqs-16 | at most 16 sequences per batch | not run: no effect possible: this workload has at most 4" \
            in report  # four requests, at most 8 in flight
-    assert "| ngram | speculative decoding by prompt lookup, 4 tokens | not run: no effect possible: the ngram " \
-           "drafter drafts only while at most 2 sequences run (its rule)" in report
 
 
 def test_reused_figures_are_labelled_in_every_output_and_fresh_reuses_none(tmp_path, weights):

@@ -19,6 +19,7 @@ from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.drafter import Drafter
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.speculator import Speculator
+from brisk.spec.suffix import SuffixDrafter
 from brisk.spec.verify import Draft
 from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint, load_hf_reference
 
@@ -93,9 +94,13 @@ def _llm(path: str, **options) -> LLM:
 
 
 def _speculate(llm: LLM, drafter=None, k: int = 4, **config) -> LLM:
-    """Turns speculation on with `drafter` (default: prompt lookup as configured)."""
+    """Turns speculation on with `drafter` (default: prompt lookup as configured), drafting at
+    every step: these tests check verification, and the policy's cost rule times real steps
+    (test_speculator_policy.py checks it)."""
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, **config)
-    llm.engine.step_hook = Speculator(spec, drafter or NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    speculator = Speculator(spec, drafter or NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    speculator.by_cost = False
+    llm.engine.step_hook = speculator
     return llm
 
 
@@ -170,7 +175,7 @@ def test_greedy_output_equals_plain_decoding_with_chunked_prefill_and_preemption
         assert llm.engine.step_hook.drafter.kv.num_free_blocks == 24  # its shadows left with their requests
 
 
-@pytest.mark.parametrize("drafter", ["scripted", "tree", "draft-model"])
+@pytest.mark.parametrize("drafter", ["scripted", "tree", "draft-model", "ngram", "suffix"])
 def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_dir, plain, drafter):
     """Each position's token is drawn from the same distribution with the same uniform, drafted
     or not: penalties, min_tokens and top-k/top-p see the earlier drafts as output."""
@@ -180,8 +185,9 @@ def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_dir, plain, dra
     llm = _llm(tiny_dir, num_kv_blocks=64, block_size=4)
     continuations = {tuple(p): t for p, t in zip(PROMPTS, reference)}
     drafters = {"scripted": lambda: ScriptedDrafter(continuations), "tree": lambda: TreeDrafter(continuations),
-                "draft-model": lambda: _draft_model(llm, "self-int4")}
-    _speculate(llm, drafters[drafter]())
+                "draft-model": lambda: _draft_model(llm, "self-int4"), "ngram": lambda: None,
+                "suffix": lambda: SuffixDrafter(SpeculativeConfig(method="suffix", suffix_decoding_max_spec_factor=2.0))}
+    _speculate(llm, drafters[drafter](), prompt_lookup_min=1, prompt_lookup_max=3)
     assert _tokens(llm, PROMPTS, params) == reference
     assert _tokens(llm, PROMPTS[::-1], params[::-1]) == reference[::-1]  # whatever is batched with it
 

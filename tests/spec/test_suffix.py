@@ -60,20 +60,21 @@ def test_a_tree_takes_the_most_frequent_continuations_first():
 
 
 def test_drafts_grow_with_the_match_and_come_from_the_requests_own_tokens_or_its_tenants_past():
-    drafter = SuffixDrafter(SpeculativeConfig(method="suffix"))
+    drafter = SuffixDrafter(SpeculativeConfig(method="suffix"))  # max_spec_factor 0.5: half the match
     text = list(range(100, 140))
     # its own prompt: the last two tokens occurred before, followed by 40 known tokens
     own = _request("r", [*text, 7, 8, 9, *text[:2]])
-    assert drafter.propose([own], [16], {})[0].token_ids == text[2:4]  # a 2-token match drafts 2
-    longer = _request("s", [*text, 7, 8, 9, *text[:10]])
-    assert drafter.propose([longer], [16], {})[0].token_ids == text[10:20]  # a 10-token match, 10 of 16
+    assert drafter.propose([own], [16], {})[0].token_ids == text[2:3]  # a 2-token match drafts 1
+    longer = _request("s", [*text, 7, 8, 9, *text[:20]])
+    assert drafter.propose([longer], [16], {})[0].token_ids == text[20:30]  # a 20-token match, 10 of 16
+    assert drafter.propose([longer], [8], {})[0].token_ids == text[20:28]  # within the budget
     # another request's answer, once finished, drafts for a request of the same tenant only
     answered = _request("a", [1, 2, 3, 4], [50, 51, 52, 53, 54, 55], tenant="acme")
     answered.status = RequestStatus.FINISHED_STOPPED
     drafter.learn([answered])
     same = _request("b", [9, 9, 3, 4], tenant="acme")
     other = _request("c", [9, 9, 3, 4], tenant="umbrella")
-    assert drafter.propose([same, other], [8, 8], {}) == [Draft([50, 51], source="past"), Draft([])]
+    assert drafter.propose([same, other], [8, 8], {}) == [Draft([50], source="past"), Draft([])]
 
 
 def test_a_brought_draft_still_drafts_once_the_output_has_left_it():
@@ -81,7 +82,7 @@ def test_a_brought_draft_still_drafts_once_the_output_has_left_it():
     drafter = SuffixDrafter(SpeculativeConfig(method="suffix"))
     request = _request("d", [1, 2, 3], [10, 11, 99, 13, 14])
     request.supplied_draft = (10, 11, 12, 13, 14, 15, 16, 17)
-    assert drafter.propose([request], [8], {})[0].token_ids == [15, 16]  # "13 14" matched: two tokens
+    assert drafter.propose([request], [8], {})[0].token_ids == [15]  # "13 14" matched: two tokens, half drafted
     drafter.forget(set())
     assert not drafter._brought and not drafter._own
 
