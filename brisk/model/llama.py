@@ -239,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         rows_filled = dict.fromkeys(params, 0)
         quantized: dict[str, list[tuple[int, QuantizedTensor]]] = {}
         for hf_name, tensor in weights:
-            target, rows = self._locate(hf_name)
+            target, rows = self.locate(hf_name)
             if target is None:
                 continue
             if target not in params:
@@ -285,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
                 yield (hf_name.replace(fused, part),
                        tensor.rows(rows) if isinstance(tensor, QuantizedTensor) else tensor[start:start + count])
 
-    def _locate(self, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
+    def locate(self, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
         """HF name -> (our parameter name, (first row, row count) inside it or None for all of it)."""
         if "rotary_emb" in hf_name:
             return None, None
