@@ -176,8 +176,9 @@ def test_priorities_reorder_the_queue(server):
     order = [name for name, what in tape.events if what == "token"]
     assert order.index("sooner") < order.index("later")
     # neither took the running request's seat (its priority, 0, is better): it ran to the end first
-    # (a preempted one would have hundreds of tokens left; a late reader, a few)
-    assert order[order.index("sooner"):].count("running") <= 3
+    # (a preempted one would have hundreds of its 3,000 tokens left; a late reader, a few: 5 seen
+    # on a loaded host, so the bound is one request's worth, far from a preemption's)
+    assert order[order.index("sooner"):].count("running") <= 32
     assert {tape.finished(n) for n in ("running", "later", "sooner")} == {"length"}
 
 
