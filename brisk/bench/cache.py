@@ -38,6 +38,7 @@ from typing import Iterator
 import httpx
 
 from brisk.bench.harness import brisk_serve, free_port, machine
+from brisk.bench.workloads import read_jsonl
 from brisk.engine.stats import percentiles
 from brisk.cache.response_cache import ResponseCache
 from brisk.cache.store import open_store
@@ -74,8 +75,7 @@ def filler_questions(count: int) -> list[str]:
 
 
 def pairs(name: str) -> list[dict]:
-    with open(os.path.join(DATA, f"{name}_pairs.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_jsonl(os.path.join(DATA, f"{name}_pairs.jsonl"))
 
 
 @contextmanager

@@ -36,9 +36,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from brisk.args import engine_config_from_args
-from brisk.bench.workloads import (Conversation, agent_conversations, chat_prompts, copy_prompts,
-                                   held_out_copy_prompts)
-
+from brisk.bench.workloads import (LONG_ANSWER_PAIRS, Conversation, agent_conversations, chat_prompts,
+                                   copy_prompts, held_out_copy_prompts, read_jsonl)
 from brisk.config import SpeculativeConfig
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import EngineRequest
@@ -47,12 +46,8 @@ from brisk.engine.step_hook import NoStepHook
 from brisk.llm import LLM
 from brisk.model.tokenizer import Message
 from brisk.sampling_params import SamplingParams
-from brisk.spec.speculator import ROW_COST_METHODS, Speculator, drafting_limit
+from brisk.spec.speculator import Speculator
 from brisk.spec.suffix import SuffixDrafter
-
-# Questions with long answers, in pairs: a paraphrase (the same question in other words) or a
-# look-alike (another question in nearly the same words), for verified semantic hits.
-LONG_ANSWER_PAIRS = os.path.join(os.path.dirname(__file__), "data", "long_answer_pairs.jsonl")
 
 
 @dataclass
@@ -93,12 +88,11 @@ def run(llm: LLM, speculator: Speculator | None, conversations: list[Conversatio
     """The conversations, `concurrency` at a time, turn by turn: each answer joins its
     conversation's history before the next turn is asked."""
     engine = llm.engine
-    if speculator is not None and isinstance(speculator.drafter, SuffixDrafter):  # no past outputs yet
-        speculator = Speculator(speculator.config, SuffixDrafter(speculator.config))
+    if speculator is not None and isinstance(speculator.drafter, SuffixDrafter):
+        speculator = without_past(speculator)
     engine.step_hook = speculator if speculator is not None else NoStepHook()
     if speculator is not None:  # forced: every sequence drafts, whatever the policy would say
-        speculator.disable_by_batch_size = None if forced else drafting_limit(speculator.config)
-        speculator.by_cost = not forced and speculator.config.method in ROW_COST_METHODS
+        speculator.force_drafting(forced)
     engine.kv.evict_unused_cached_blocks()  # every run starts cold; hits come from its own earlier turns
     outputs = []
     start = time.perf_counter()
@@ -125,6 +119,12 @@ def run(llm: LLM, speculator: Speculator | None, conversations: list[Conversatio
     copied = sum(copied_tokens(o.prompt_token_ids, o.outputs[0].token_ids) for o in outputs)
     return Run(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed, decoded / decoding,
                1000 * decoding / max(steps, 1), copied / max(decoded + len(outputs), 1), stats)
+
+
+def without_past(speculator: Speculator) -> Speculator:
+    """A suffix speculator like `speculator` with no past outputs yet (the same prompts again would
+    be drafted whole from an earlier run's answers)."""
+    return Speculator(speculator.config, SuffixDrafter(speculator.config))
 
 
 def copied_tokens(prompt: list[int], output: list[int]) -> int:
@@ -163,6 +163,9 @@ class Hit:
 NEAR_TIE = 1e-4  # a top-2 logprob gap under this may flip between two exact orders of the same sums
 
 
+_ids = itertools.count()  # the benchmark's own request ids
+
+
 def answer(llm: LLM, prompt: list[int], params: SamplingParams, draft: list[int] = ()) -> tuple[RequestOutput, float]:
     """One request alone, to its end: its output and its seconds from arrival to the last token."""
     engine = llm.engine
@@ -178,9 +181,6 @@ def answer(llm: LLM, prompt: list[int], params: SamplingParams, draft: list[int]
     return final, time.perf_counter() - start
 
 
-_ids = itertools.count()
-
-
 def verified_hits(llm: LLM, speculator: Speculator, params: SamplingParams) -> list[Hit]:
     """Each pair of brisk/bench/data/long_answer_pairs.jsonl as a verified semantic hit would run
     it: the cached answer to a (greedy, plain decoding) becomes the draft of b's request, under
@@ -192,28 +192,28 @@ def verified_hits(llm: LLM, speculator: Speculator, params: SamplingParams) -> l
     cache empty, as the first of them did."""
     engine, tokenizer = llm.engine, llm.engine.tokenizer
 
-    def run(prompt: list[int], params: SamplingParams, draft: list[int] = ()) -> tuple[RequestOutput, float]:
+    def cold(prompt: list[int], params: SamplingParams, draft: list[int] = ()) -> tuple[RequestOutput, float]:
         engine.kv.evict_unused_cached_blocks()
-        engine.step_hook = Speculator(speculator.config, SuffixDrafter(speculator.config)) if draft else NoStepHook()
+        engine.step_hook = without_past(speculator) if draft else NoStepHook()
         try:
             return answer(llm, prompt, params, draft)
         finally:
             engine.step_hook = NoStepHook()
 
     hits = []
-    for pair in long_answer_pairs():
+    for pair in read_jsonl(LONG_ANSWER_PAIRS):
         a, b = (tokenizer.encode_chat([{"role": "user", "content": pair[k]}]) for k in ("a", "b"))
-        uncached, uncached_seconds = run(b, params)
+        uncached, uncached_seconds = cold(b, params)
         mine = uncached.outputs[0].token_ids
-        candidates = {pair["kind"]: run(a, params)[0].outputs[0].token_ids}
+        candidates = {pair["kind"]: cold(a, params)[0].outputs[0].token_ids}
         if pair["kind"] == "paraphrase":
             candidates["agreeing"] = mine
         for kind, candidate in candidates.items():
-            verified, verified_seconds = run(b, params, candidate)
+            verified, verified_seconds = cold(b, params, candidate)
             theirs = verified.outputs[0].token_ids
             near_tie = False
             if mine != theirs:
-                ranked = run(b, replace(params, logprobs=2))[0].outputs[0].logprobs
+                ranked = cold(b, replace(params, logprobs=2))[0].outputs[0].logprobs
                 at = first_difference(mine, theirs)
                 top = sorted((lp.logprob for lp in ranked[at].values()), reverse=True) if at < len(ranked) else []
                 near_tie = len(top) >= 2 and top[0] - top[1] < NEAR_TIE
@@ -225,11 +225,6 @@ def verified_hits(llm: LLM, speculator: Speculator, params: SamplingParams) -> l
 def first_difference(x: list[int], y: list[int]) -> int:
     """Where two token lists first differ (the shorter one's length if one starts the other)."""
     return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-
-
-def long_answer_pairs() -> list[dict]:
-    with open(LONG_ANSWER_PAIRS, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def print_hits(hits: list[Hit]) -> None:

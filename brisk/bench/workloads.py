@@ -20,13 +20,18 @@ TEMPLATES = ["Explain {} in one paragraph.", "Write a short poem about {}.", "Gi
              "Tell me the history of {}."]
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """A JSON Lines file's records (blank lines skipped): every data file the benchmarks read."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def mt_bench_first_turns(path: str | None = None) -> list[str]:
     """The first turn of each MT-Bench question (default: the file `make install` fetched)."""
     path = path or str(MT_BENCH_QUESTIONS)
     if not os.path.exists(path):
         raise ConfigError(f"no questions at {path}: run `make install` (it fetches MT-Bench) or pass a file")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+    return [record["turns"][0] for record in read_jsonl(path)]
 
 
 def chat_prompts(num_prompts: int) -> list[list[Message]]:
@@ -90,8 +95,7 @@ HELD_OUT_COPY = Path(__file__).resolve().parent / "data" / "copy_heldout.jsonl"
 
 def held_out_copy_prompts(num_prompts: int) -> list[list[Message]]:
     """The held-out copy prompts, in turn."""
-    with open(HELD_OUT_COPY, encoding="utf-8") as f:
-        texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    texts = [record["prompt"] for record in read_jsonl(HELD_OUT_COPY)]
     return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(num_prompts)]
 
 
@@ -105,9 +109,13 @@ Conversation = list[list[Message]]  # the messages each turn adds before the mod
 
 def agent_conversations() -> list[Conversation]:
     """The agent conversations, their system prompts in their first turns."""
-    with open(AGENT_CONVERSATIONS, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [[[{"role": "system", "content": r["system"]}, *r["turns"][0]], *r["turns"][1:]] for r in records]
+    return [[[{"role": "system", "content": r["system"]}, *r["turns"][0]], *r["turns"][1:]]
+            for r in read_jsonl(AGENT_CONVERSATIONS)]
+
+
+# Questions with long answers, in pairs: a paraphrase (the same question in other words) or a
+# look-alike (another question in nearly the same words), for verified semantic hits.
+LONG_ANSWER_PAIRS = Path(__file__).resolve().parent / "data" / "long_answer_pairs.jsonl"
 
 
 def sentences(count: int, text_path: str, seed: int = 0) -> list[str]:

@@ -51,10 +51,15 @@ static inline void prefetch_block(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
 
-/* The first key row s sees: its window's, or the context's. positions is read only for a window
- * layer (callers pass NULL otherwise). */
+/* The first key a row at `position` sees: its window's, or the context's (window 0) */
+static inline int64_t window_first_key(int64_t window, int64_t position) {
+    return window > 0 && position >= window ? position - window + 1 : 0;
+}
+
+/* The same for decode row s; positions is read only for a window layer (callers pass NULL
+ * otherwise). */
 static inline int64_t decode_first_key(int64_t window, const int64_t *positions, int64_t s) {
-    return window > 0 && positions[s] >= window ? positions[s] - window + 1 : 0;
+    return window > 0 ? window_first_key(window, positions[s]) : 0;
 }
 
 /*

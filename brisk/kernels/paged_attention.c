@@ -56,7 +56,7 @@
                         query[r][d] = LOAD_X(q[((first + r) * num_heads + head) * HEAD_DIM + d]) * scale;    \
                 const int64_t last_key = start + first + rows - 1; /* the tile's last row sees this far */ \
                 /* and its first row back to here (its window's first key, or the context's) */          \
-                const int64_t first_key = window > 0 && start + first >= window ? start + first - window + 1 : 0; \
+                const int64_t first_key = window_first_key(window, start + first);                      \
                 for (int64_t b = first_key / BLOCK_SIZE; b <= last_key / BLOCK_SIZE; b++) {               \
                     const int64_t head_block = block_table[b] * num_kv_heads + kv_head;                   \
                     const CT *keys = k_cache + head_block * block_elems;                                  \

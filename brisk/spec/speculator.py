@@ -150,9 +150,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter):
         self.config = config
         self.drafter = drafter
-        self.disable_by_batch_size = drafting_limit(config)
         self.cost = StepCost()
-        self.by_cost = config.method in ROW_COST_METHODS  # False: everyone drafts (benchmarks show what the rule avoids)
+        self.force_drafting(False)
         self._proposed = 0.0  # when the step under way was proposed: its start
         # the last step's rows, keys attended, start and sequences, were it pure decode
         self._step: tuple[int, int, float, set[str]] | None = None
@@ -175,6 +174,12 @@ class Speculator:
         # the pool in blocks of every layer: the target's, whatever groups its layers keep K/V in
         full_blocks = engine.kv.num_blocks * engine.kv_layout.positions // engine.hparams.num_layers
         return cls(spec, DraftModelDrafter.load(config, engine.checkpoint, engine.max_model_len, full_blocks))
+
+    def force_drafting(self, forced: bool) -> None:
+        """forced: every sequence drafts, past any limit or cost (benchmarks show what the policy
+        avoids; tests of verification draft at every step); else the policy decides again."""
+        self.disable_by_batch_size = None if forced else drafting_limit(self.config)
+        self.by_cost = not forced and self.config.method in ROW_COST_METHODS
 
     # ----- StepHook ---------------------------------------------------------------------------
     def release(self, running: list[Request]) -> None:

@@ -19,10 +19,11 @@ A proposal finds the longest earlier occurrence of the sequence's last tokens (u
 of that length, and grows a tree of those continuations best first by how often each was seen
 (a node's probability is the share of occurrences that pass through it), keeping nodes whose
 probability is at least `suffix_decoding_min_token_prob`. How many tokens it drafts adapts to
-the evidence: at most `suffix_decoding_max_spec_factor` x the match length (a long match drafts
-many, a two-token match two), within the step's budget. Of the indexes' trees the one whose
-probabilities add up to more (the expected number of accepted tokens) is proposed. Verification
-(spec/verify.py) keeps every output exactly the model's, whatever is drafted.
+the evidence: at most `suffix_decoding_max_spec_factor` x the match length (at the default 0.5 a
+20-token match drafts 10, a two-token match one), within the step's budget. Of the indexes'
+trees the one whose probabilities add up to more (the expected number of accepted tokens) is
+proposed. Verification (spec/verify.py) keeps every output exactly the model's, whatever is
+drafted.
 
 An index is the token stream itself plus, for every position, where its preceding two tokens
 occurred (so a lookup probes a dictionary and extends matches backwards, never scans): about 220

@@ -99,7 +99,7 @@ def _speculate(llm: LLM, drafter=None, k: int = 4, **config) -> LLM:
     (test_speculator_policy.py checks it)."""
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, **config)
     speculator = Speculator(spec, drafter or NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
-    speculator.by_cost = False
+    speculator.force_drafting(True)
     llm.engine.step_hook = speculator
     return llm
 

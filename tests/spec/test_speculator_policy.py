@@ -69,7 +69,7 @@ def test_a_sequence_drafts_while_its_drafts_are_accepted_at_the_batchs_break_eve
     assert _drafted(speculator, [chatting]) == {"chatting"}
     assert _drafted(speculator, [new, probing, copying, chatting]) == {"new", "probing", "copying", "chatting"}
     assert _drafted(speculator, [new, probing, copying, chatting, *others]) == {"new", "probing", "copying"}
-    speculator.by_cost = False  # as the benchmarks force it
+    speculator.force_drafting(True)  # as the benchmarks force it
     assert len(_drafted(speculator, [new, probing, copying, chatting, *others])) == 8
 
 
