@@ -2,10 +2,11 @@
 
 from brisk.config import EngineConfig
 from brisk.embed.embedder import Embedder, Embedding
+from brisk.engine.adapters import LoRARequest
 from brisk.engine.output import CompletionOutput, RequestOutput
 from brisk.llm import LLM
 from brisk.sample.grammar import StructuredOutputs
 from brisk.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput", "CompletionOutput", "Embedder",
-           "Embedding"]
+           "Embedding", "LoRARequest"]

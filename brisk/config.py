@@ -234,6 +234,21 @@ class EngineConfig:
         False, "On a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs.")
     seed: int = knob(0, "Seed of the generator that gives each request without a seed its own.")
     num_threads: int | None = knob(None, "CPU threads for torch; default: all cores.")
+    enable_lora: bool = knob(
+        False, "Serve LoRA adapters on top of the model (PEFT folders), chosen per request (the `model` field in "
+               "the server, lora_request offline); on with lora_modules.")
+    lora_modules: list[str] | None = knob(
+        None, "Adapters to serve from the start, as NAME=PATH (a PEFT adapter folder); more can be loaded at run "
+              "time (POST /v1/load_lora_adapter).")
+    max_loras: int = knob(16, "Most distinct adapters in one batch; requests of others wait (a CPU step reads each "
+                              "adapter of the batch once: ~5 MB per rank-8 adapter of the default model in bf16).")
+    max_cpu_loras: int | None = knob(
+        None, "Most adapters kept in memory; past it the least recently used one that no request is using is "
+              "dropped and read again from its folder when asked for. Default: max_loras.")
+    max_lora_rank: int = knob(64, "Largest adapter rank accepted (adapters are not padded to it).")
+    lora_dtype: str = knob(
+        "auto", "What adapters are kept and read in: auto, float32 or bfloat16. auto: the model's dtype, bfloat16 "
+                "over low-bit weights (half the bytes a step reads; the base's own rounding is larger).")
     chat_template: str | None = knob(
         None, "The Jinja chat template chats are rendered with (the chat routes, LLM.chat, `brisk chat` and "
               "`generate`), in place of the model's own: a file holding one, or the template itself (vLLM's rule: "
@@ -294,8 +309,35 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._check_lora()
         if self.model is not None and not os.path.exists(self.model):
             raise ConfigError(f"model path does not exist: {self.model!r}")
+
+    def _check_lora(self) -> None:
+        if self.lora_modules:
+            self.enable_lora = True
+            self.lora_module_paths()  # checks their form
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """lora_modules as name -> folder."""
+        paths = {}
+        for item in self.lora_modules or []:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"lora_modules takes NAME=PATH items, got {item!r}")
+            if name in paths:
+                raise ConfigError(f"lora_modules names {name!r} twice")
+            paths[name] = path
+        return paths
 
     @property
     def torch_device(self) -> torch.device:

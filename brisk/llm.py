@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from brisk.assembly import build_engine
 from brisk.config import EngineConfig
+from brisk.engine.adapters import LoRARequest
 from brisk.embed.embedder import Embedder, Embedding
 from brisk.engine.engine import LLMEngine, Prompt
 from brisk.engine.output import RequestOutput
@@ -49,8 +50,11 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, batching: str = "continuous", batch_size: int = 16) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs in prompt order. batching: `continuous` (the
+                 use_tqdm: bool = True, batching: str = "continuous", batch_size: int = 16,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in prompt order. lora_request: the adapter every
+        prompt runs with, or one (or None, the base model) per prompt; the engine needs
+        enable_lora (as vLLM's). batching: `continuous` (the
         engine's scheduler refills a finished sequence's slot at once), `static` (groups of
         batch_size in prompt order, each finishing before the next starts, as a padded batch
         runs), or `sorted` (the same groups, formed by prompt length). Afterwards
@@ -62,6 +66,7 @@ class LLM:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         params = _per_prompt(sampling_params, len(prompts))
+        adapters = _per_prompt(lora_request, len(prompts), LoRARequest, None)
         order = list(range(len(prompts)))
         if batching == "sorted":
             order.sort(key=lambda i: self._prompt_len(prompts[i]))
@@ -73,8 +78,8 @@ class LLM:
         start, done = time.monotonic(), {}
         try:
             for group in groups:
-                ids = [self.engine.add_request(prompts[i], replace(params[i], output_kind=OutputKind.FINAL_ONLY))
-                       for i in group]
+                ids = [self.engine.add_request(prompts[i], replace(params[i], output_kind=OutputKind.FINAL_ONLY),
+                                               lora_request=adapters[i]) for i in group]
                 done.update(zip(group, self._run(ids, bar)))
         finally:
             bar.close()
@@ -96,14 +101,15 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, batching: str = "continuous",
-             batch_size: int = 16) -> list[RequestOutput]:
+             batch_size: int = 16, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each rendered with the chat template
-        (batching and batch_size: as in generate)."""
+        (batching, batch_size and lora_request: as in generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt),
                     "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, batching, batch_size)
+        return self.generate(prompts, sampling_params, use_tqdm, batching, batch_size, lora_request)
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], truncate: bool = True) -> list[Embedding]:
         """Sentence embeddings of texts (or token-id lists), in order: Embedder.embed on the
@@ -144,11 +150,12 @@ def _batch_metrics(batching: str, outputs: list[RequestOutput], groups: list[lis
                         1 - real / padded if padded else 0.0, sum(f - start for f in finished) / max(1, len(finished)))
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
-    return list(params)
+def _per_prompt(values, count: int, kind: type = SamplingParams, default=SamplingParams()) -> list:
+    """One value of `kind` per prompt: the default, one for all, or a sequence of `count`."""
+    if values is None:
+        return [default] * count
+    if isinstance(values, kind):
+        return [values] * count
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {kind.__name__} values for {count} prompts")
+    return list(values)

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from brisk.config import ConfigError, EngineConfig
+from brisk.engine.adapters import AdapterCap, Adapters, LoRARequest, adapter_dtype
 from brisk.engine.cuda_graphs import capture_sizes
 from brisk.engine.kv_cache import KVCacheManager, KVLayout
 from brisk.kernels.kv_cache import kv_bytes_per_token
@@ -69,9 +70,16 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_layout)
         # A speculative step already gains several tokens; its drafters keep state per step.
         passes = 1 if config.speculative_config is not None else config.num_scheduler_steps
+        waiting = waiting_queue(config.scheduling_policy, config.tenant_weights)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.attention_cost_context, passes,
-                                   waiting_queue(config.scheduling_policy, config.tenant_weights))
+                                   AdapterCap(waiting, config.max_loras) if config.enable_lora else waiting)
+        self.adapters: Adapters | None = None
+        if config.enable_lora:
+            self.adapters = Adapters(self.model, adapter_dtype(config.lora_dtype, self.dtype, mode.quantization is not None),
+                                     config.max_lora_rank, config.max_cpu_loras, self._adapters_in_use)
+            for name, path in config.lora_module_paths().items():
+                self.adapters.load(name, path)
         self.runner = ModelRunner(self.model, self.kv, self.kv_cache_kind, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(capture_sizes(config.max_num_seqs), self.max_model_len)
@@ -124,21 +132,45 @@ class LLMEngine:
         logits = 4 * c.max_num_seqs * s.vocab_size
         return 4 * c.max_num_batched_tokens * per_token + logits + 2**30
 
+    def _adapters_in_use(self) -> set[str]:
+        return {r.adapter for r in self.scheduler.requests.values() if r.adapter is not None}
+
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queues a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its id.
-        The offline edge: tokenizes and validates, then hands the core an EngineRequest."""
+        The offline edge: tokenizes and validates, then hands the core an EngineRequest.
+        lora_request: the adapter it runs with, loaded from its path the first time its name
+        is seen (as vLLM's LLM.generate(lora_request=...))."""
         text, token_ids = self.tokenize(prompt)
+        if lora_request is not None and lora_request.lora_path is not None:
+            self.load_adapter(lora_request.lora_name, lora_request.lora_path)
         request = EngineRequest.checked(
             request_id if request_id is not None else str(next(self._ids)), token_ids, params,
             self.hparams.vocab_size, self.max_model_len, prompt=text, cache_salt=cache_salt,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            adapter=lora_request.lora_name if lora_request is not None else None)
         return self.add(request)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter in folder `path` as `name` from now on (engine/adapters.py)."""
+        self._enabled_adapters("lora_name").load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stops serving adapter `name`; its requests in the engine finish with it."""
+        self._enabled_adapters("lora_name").unload(name)
+
+    def _enabled_adapters(self, field: str) -> Adapters:
+        if self.adapters is None:
+            raise SamplingError(field, "LoRA adapters are not enabled: start the engine with enable_lora (or "
+                                       "lora_modules)")
+        return self.adapters
 
     def add(self, request: EngineRequest) -> str:
         """Queues a request checked at the edge (EngineRequest.checked); returns its id."""
         if request.draft and not self.step_hook.verifies_supplied_drafts:
             raise SamplingError("draft", "needs speculative decoding: start the engine with a speculative_config")
+        lora = self._enabled_adapters("model").get(request.adapter) if request.adapter is not None else None
         params, children = request.params, []
         for i in range(params.n):
             child_params = self._child_params(params, i)
@@ -151,6 +183,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 arrival_time=request.arrival_time,
                 cache_salt=request.cache_salt,
+                adapter=request.adapter,
+                lora=lora,
                 tenant=request.tenant or "default",
                 priority=request.priority,
                 child_index=i,

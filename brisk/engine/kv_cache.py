@@ -41,6 +41,7 @@ Invariants, asserted where they can break (cheap checks: none scans the pool):
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from brisk.engine.request import Request
@@ -66,7 +67,7 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+def chain_hash(parent: int | None, token_ids: tuple[int, ...], salt: Hashable) -> int:
     return hash((parent, token_ids, salt))
 
 
@@ -194,7 +195,7 @@ class KVCacheManager:
         parent, length = None, 0
         for i in range(max_blocks):
             tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
-            parent = chain_hash(parent, tokens, request.cache_salt)
+            parent = chain_hash(parent, tokens, request.prefix_salt)
             chain.append(parent)
             for g in range(len(self.windows)):
                 block = self._cached.get((g, parent))
@@ -278,7 +279,7 @@ class KVCacheManager:
         assert request.num_computed_tokens <= len(tables[0]) * bs, "computed tokens outside the request's blocks"
         for i in range(len(hashes), request.num_computed_tokens // bs):
             tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
-            block_hash = chain_hash(hashes[-1] if hashes else None, tokens, request.cache_salt)
+            block_hash = chain_hash(hashes[-1] if hashes else None, tokens, request.prefix_salt)
             hashes.append(block_hash)
             for g, table in enumerate(tables):
                 block = table[i]

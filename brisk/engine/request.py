@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from brisk.engine.stats import SpecDecodeStats
 from brisk.engine.step_hook import VerifyPlan
+from brisk.kernels.lora import AdapterWeights
 from brisk.sample.grammar import Grammar
 from brisk.sampling_params import SamplingError, SamplingParams
 
@@ -101,6 +102,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first scheduling
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates prefix-cache entries (e.g. per tenant)
+    adapter: str | None = None  # the LoRA adapter it runs with (engine/adapters.py), by name
+    lora: AdapterWeights | None = None  # and its weights, held until the request finishes
     tenant: str = "default"  # whose share of the batch it runs in (engine/waiting.py: the fair policy)
     priority: int = 0  # lower runs sooner (the priority policy; within a tenant, the fair one)
     child_index: int = 0  # which of the user request's n sequences this is
@@ -151,6 +154,12 @@ class Request:
         return (p.greedy and p.logprobs is None and p.prompt_logprobs is None and self.grammar is None
                 and not p.penalized and not p.logit_bias and not p.stop_strings
                 and self.num_output_tokens >= p.min_tokens)
+
+    @property
+    def prefix_salt(self) -> str | tuple[str | None, str] | None:
+        """What its prefix-cache entries are keyed on beside the tokens: the cache salt, and the
+        adapter (its K/V differs from the base model's and every other adapter's)."""
+        return self.cache_salt if self.adapter is None else (self.cache_salt, self.adapter)
 
     @property
     def may_reuse_prefix(self) -> bool:

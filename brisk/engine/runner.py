@@ -48,6 +48,7 @@ from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.engine.step_hook import SlotMove
 from brisk.kernels.attention import AttentionMetadata, PrefillSpan
+from brisk.kernels.lora import LoRABatch
 from brisk.model.llama import LlamaForCausalLM
 from brisk.sample.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
@@ -83,6 +84,7 @@ class _Batch:
     sample_rows: torch.Tensor
     sample_chunks: list[ScheduledChunk]  # each samples 1 + num_verify_rows consecutive rows
     prompt_logprob_rows: list[_PromptLogprobRows]
+    lora: LoRABatch | None = None  # the rows' adapters, where any row has one
 
 
 class ModelRunner:
@@ -117,7 +119,7 @@ class ModelRunner:
         batch = self._prepare(sched)
         if sched.decode_passes > 1:
             return self._execute_decode_steps(batch, sched.decode_passes)
-        hidden = self._forward(batch.input_ids, batch.positions, batch.attn)
+        hidden = self._forward(batch.input_ids, batch.positions, batch.attn, batch.lora)
         out = RunnerOutput()
         if batch.sample_chunks:
             self._sample(hidden[batch.sample_rows], batch.sample_chunks, out)
@@ -131,17 +133,18 @@ class ModelRunner:
             out.prompt_logprobs[rows.request.request_id] = (rows.first_position, entries)
         return out
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.serves(attn):
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                 lora: LoRABatch | None) -> torch.Tensor:
+        if lora is None and self.graphs is not None and self.graphs.serves(attn):
             return self.graphs.run(input_ids, positions, attn)
-        return self.model(input_ids, positions, self.kv_caches, attn)
+        return self.model(input_ids, positions, self.kv_caches, attn, lora)
 
     def _execute_decode_steps(self, batch: _Batch, steps: int) -> RunnerOutput:
         """`steps` greedy decode passes, each fed the tokens the one before chose, on the device."""
         attn, input_ids, positions = batch.attn, batch.input_ids, batch.positions
         tokens = []
         for step in range(steps):
-            input_ids = self.model.compute_logits(self._forward(input_ids, positions, attn)).argmax(dim=-1)
+            input_ids = self.model.compute_logits(self._forward(input_ids, positions, attn, batch.lora)).argmax(dim=-1)
             tokens.append(input_ids)
             if step + 1 < steps:
                 positions = positions + 1
@@ -239,9 +242,13 @@ class ModelRunner:
             attn.prefills = [self._prefill_span(chunk, row, tables[g][chunk.request.request_id])
                              for chunk, row in prefill_chunks]
             groups.append(attn)
+        lora = None
+        if any(c.request.lora is not None for c in sched.chunks):
+            lora = LoRABatch.of([c.request.lora for c in decodes + prefills for _ in range(c.num_new_tokens)],
+                                self.device)
         return _Batch(input_ids=input_ids, positions=positions,
                       attn=AttentionMetadata.grouped(groups, self._layer_groups), sample_rows=sample_rows,
-                      sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows)
+                      sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows, lora=lora)
 
     @staticmethod
     def _decode_tables(decodes: list[ScheduledChunk], block_ids: dict[str, list[int]]) -> list[list[int]]:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from brisk.kernels.attention import AttentionMetadata, PrefillSpan, decode_attention_torch, prefill_attention_torch
 from brisk.kernels.kv_cache import KVCacheLayer
+from brisk.kernels.lora import LoRABatch, lora_add_torch
 
 
 # The gated MLPs' activations: SiLU (Llama, Qwen, Mistral), GELU with the tanh approximation
@@ -76,6 +77,11 @@ class KernelBackend:
         """[T, 2I] (gate, then up) -> act(gate) * up [T, I]; activation one of ACTIVATIONS."""
         gate, up = gate_up.chunk(2, dim=-1)
         return ACTIVATIONS[activation](gate) * up
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str) -> None:
+        """In place on y [T, n], a projection's output for x [T, k]: each adapter of the step adds
+        its update of that projection of that layer to its own rows (kernels/lora.py)."""
+        lora_add_torch(y, x, lora, layer, projection)
 
     # --- attention ----------------------------------------------------------------------------
 

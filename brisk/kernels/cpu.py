@@ -29,6 +29,8 @@ import torch
 
 from brisk.kernels.backend import ACTIVATIONS, KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
+from brisk.kernels.lora import PROJECTIONS as LORA_PROJECTIONS, LoRABatch
+from brisk.kernels.lora import _Batch as _LoRABatch
 from brisk.kernels.packed import (GROUP_SIZES, GROUPED_FORMATS, TILE_BLOCK_BYTES, MixedTensor, QuantizedTensor,
                                   tile_rows, tiles_rows)
 
@@ -57,10 +59,11 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "rope_write_kv": [_PTR] * 13 + [ctypes.c_float] + [_I64] * 3,
     "decode_layers": [_PTR] * 4,
     "quant_linear": [_PTR] * 3 + [_I64],
+    "lora_add": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
 }
 # The kernels that allocate scratch return a kernel_status (kernels/status.h, checked by _check);
 # the others return void. tests/kernels/test_abi.py holds both tables to the C declarations.
-_STATUS_KERNELS = frozenset({"paged_decode_attention", "decode_layers", "quant_linear", "sample_rows"})
+_STATUS_KERNELS = frozenset({"paged_decode_attention", "decode_layers", "quant_linear", "sample_rows", "lora_add"})
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CACHE_SUFFIXES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "i8"}  # dtypes.h's kinds
 # Up to this many rows a step runs in the fused decode kernel and a linear layer in linear_rows.
@@ -336,7 +339,8 @@ class _Tables(ctypes.Structure):  # struct decode_tables
 
 class _Batch(ctypes.Structure):  # struct decode_batch
     _fields_ = [("num_seqs", _I64), ("max_blocks", _I64), ("positions", _PTR), ("slot_offsets", _PTR),
-                ("context_lens", _PTR), ("ancestor_masks", _PTR), ("groups", ctypes.POINTER(_Tables))]
+                ("context_lens", _PTR), ("ancestor_masks", _PTR), ("groups", ctypes.POINTER(_Tables)),
+                ("lora", ctypes.POINTER(_LoRABatch))]
 
 
 # enum weight_format, quant.h
@@ -452,6 +456,16 @@ def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -
     return out
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str) -> None:
+    """In place on float32 y [m, n]: each adapter's update of one projection of one layer added to
+    its rows, for float32 x [m, k] (lora.h)."""
+    assert y.is_contiguous() and lora.adapters[0].device.type == "cpu"
+    x = x.contiguous()
+    _check(_library("lora.c").lora_add(ctypes.byref(lora.struct()),
+                                       layer * len(LORA_PROJECTIONS) + LORA_PROJECTIONS.index(projection),
+                                       x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], y.shape[1]), "lora_add")
+
+
 def quantize_rows_int8(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [m, k] float32 -> (codes int8 [m, k], scales [m, 1], outlier columns): the torch backend's
     quantize_rows_int8 in one C call (quant_linear.c)."""
@@ -529,11 +543,12 @@ class DecodeLayers:
         self._kernel = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, kv_caches: list[KVCacheLayer],
-                 timings: torch.Tensor | None = None) -> torch.Tensor:
+                 timings: torch.Tensor | None = None, lora: LoRABatch | None = None) -> torch.Tensor:
         """x [seqs, hidden] float32 embeddings of this step's tokens (one per sequence) -> the final
         norm's output, in place. meta: the step's AttentionMetadata (kernels/attention.py), every
         row a decode row; its groups' tables where the layers keep K/V in groups. timings: an
-        int64 [3] tensor to add (matmul, attention, other) nanoseconds to, or None."""
+        int64 [3] tensor to add (matmul, attention, other) nanoseconds to, or None. lora: the
+        rows' adapters (CPU tensors), or None."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         groups = meta.groups or [meta]
@@ -543,7 +558,7 @@ class DecodeLayers:
                                            for g in groups))
         batch = _Batch(x.shape[0], meta.decode_block_tables.shape[1], positions.data_ptr(),
                        meta.slot_offsets.data_ptr(), meta.decode_context_lens.data_ptr(),
-                       _ptr(meta.decode_ancestor_masks), tables)
+                       _ptr(meta.decode_ancestor_masks), tables, None if lora is None else ctypes.pointer(lora.struct()))
         _check(self._kernel(ctypes.byref(self._model), ctypes.byref(batch), x.data_ptr(), _ptr(timings)),
                "decode_layers")
         return x
@@ -639,6 +654,13 @@ class CBackend(KernelBackend):
 
     def decode_layers(self, layers, final_norm, num_heads, num_kv_heads, eps, scale, activation):
         return DecodeLayers(layers, final_norm, num_heads, num_kv_heads, eps, scale, activation)
+
+    def lora_add(self, y, x, lora, layer, projection):
+        if x.dtype == y.dtype == torch.float32 and x.device.type == "cpu" and lora.rows.device.type == "cpu" \
+                and not wants_grad(x, y):
+            lora_add(y, x, lora, layer, projection)
+        else:
+            super().lora_add(y, x, lora, layer, projection)
 
     def quant_linear(self, x, layer):
         if x.device.type == "cpu":

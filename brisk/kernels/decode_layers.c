@@ -19,8 +19,10 @@
  *     x = h @ Wdown^T                             weight stream
  *     (x = rms_norm(x))                           Gemma's sandwich norm
  *
- * and last the final norm. The operations are the same bodies the standalone kernels run, so
- * the fused step and the layer-by-layer path compute the same thing. Activations are float32
+ * and last the final norm. With LoRA adapters in the step (decode_batch.lora), each projection's
+ * product is followed by the adapters' updates of their own rows (lora.h). The operations are
+ * the same bodies the standalone kernels run, so the fused step and the layer-by-layer path
+ * compute the same thing. Activations are float32
  * scratch; dense weights and norms are in the model's dtype (T), the KV cache in any of dtypes.h's
  * kinds (decode_layers_<model dtype>_<cache kind>). Each projection goes through
  * `project`, which dispatches on the weight's format: dense in the model's dtype (matvec.h) or
@@ -37,6 +39,7 @@
 
 #include "attention.h"
 #include "layer_ops.h"
+#include "lora.h"
 #include "matvec.h"
 #include "quant.h"
 #include "quant_gemm.h"
@@ -77,6 +80,7 @@ struct decode_batch {
     const int64_t *context_lens;             /* [num_seqs], this step's token included */
     const int64_t *ancestor_masks;           /* [num_seqs] or NULL, see attention.h */
     const struct decode_tables *groups;      /* indexed by decode_layer.group */
+    const struct lora_batch *lora;           /* the rows' adapters, or NULL */
 };
 
 static inline int64_t now_ns(void) {
@@ -111,15 +115,18 @@ static int rounds_activations(const struct decode_model *model) {
     DEFINE_MATVEC(matvec_##WS, float, load_f32, store_f32, T, LOAD)                                       \
     DEFINE_LAYER_OPS(WS, float, load_f32, store_f32, T, LOAD)                                             \
                                                                                                           \
-    /* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias); a8: the batched product's scratch */             \
+    /* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias), plus the adapters' updates of projection         \
+     * `index` where the step has adapters; a8: the batched product's scratch, t: the adapters' */         \
     static void project_##WS(const struct weight *w, const float *x, float *y, int64_t m,                 \
-                             const struct qg_scratch *a8) {                                               \
+                             const struct qg_scratch *a8, const struct lora_batch *lora, int64_t index,   \
+                             float *t) {                                                                  \
         if (w->format == WEIGHT_DENSE)                                                                    \
             matvec_##WS(x, (const T *)w->data, (const T *)w->bias, y, m, w->rows, w->cols);               \
         else if (w->quantize_activations && m > QG_MIN_ROWS)                                              \
             qmatmul_a8(w, x, y, m, a8);                                                                   \
         else                                                                                              \
             qmatvec(w, x, y, m);                                                                          \
+        if (lora) lora_add_rows(lora, index, x, y, w->cols, w->rows, t);                                  \
     }
 
 #define DEFINE_DECODE_LAYERS(WS, T, LOAD, CS, CT, LOAD_C, STORE_HEAD, SCALED)                             \
@@ -143,8 +150,10 @@ static int rounds_activations(const struct decode_model *model) {
         float *scratch = scratch_floats(decode_attention_scratch(m, model->num_heads, model->num_kv_heads, \
                                                                  batch->max_blocks, parts, threads));     \
         struct qg_scratch a8 = {0};                                                                       \
+        const struct lora_batch *lora = batch->lora;                                                      \
+        float *lora_t = lora ? scratch_floats(m * lora->max_rank) : NULL;                                 \
         const int64_t widest = hidden > inter ? (hidden > q_size ? hidden : q_size) : (inter > q_size ? inter : q_size); \
-        const int status = residual && qkv && q && attended && gate_up && act && scratch                  \
+        const int status = residual && qkv && q && attended && gate_up && act && scratch && (!lora || lora_t) \
                                && (m <= QG_MIN_ROWS || !rounds_activations(model)                 \
                                    || qg_scratch_alloc(&a8, m, widest, threads) == KERNEL_OK)             \
                                ? KERNEL_OK : KERNEL_OUT_OF_MEMORY;                                        \
@@ -156,7 +165,8 @@ static int rounds_activations(const struct decode_model *model) {
                 const struct decode_layer *layer = model->layers + l;                                     \
                 add_rms_norm_rows_##WS(x, residual, layer->input_norm, m, hidden, eps);               \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##WS(&layer->qkv, x, qkv, m, &a8);                                                 \
+                project_##WS(&layer->qkv, x, qkv, m, &a8,                                                     \
+                             lora, l * LORA_PROJECTIONS + LORA_QKV, lora_t);                                  \
                 LAP(PHASE_MATMUL);                                                                        \
                 const struct decode_tables *tables = batch->groups + layer->group;                        \
                 rope_tokens_##WS##_##CS(qkv, batch->positions, layer->cos_table, layer->sin_table, q,        \
@@ -172,17 +182,20 @@ static int rounds_activations(const struct decode_model *model) {
                                           attended, m, model->num_heads, model->num_kv_heads,             \
                                           batch->max_blocks, layer->window, model->scale, parts, scratch); \
                 LAP(PHASE_ATTENTION);                                                                     \
-                project_##WS(&layer->o, attended, x, m, &a8);                                              \
+                project_##WS(&layer->o, attended, x, m, &a8,                                                  \
+                             lora, l * LORA_PROJECTIONS + LORA_O, lora_t);                                    \
                 LAP(PHASE_MATMUL);                                                                        \
                 if (layer->attention_output_norm)                                                         \
                     rms_norm_rows_##WS(x, layer->attention_output_norm, x, m, hidden, eps);              \
                 add_rms_norm_rows_##WS(x, residual, layer->post_attention_norm, m, hidden, eps);      \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##WS(&layer->gate_up, x, gate_up, m, &a8);                                         \
+                project_##WS(&layer->gate_up, x, gate_up, m, &a8,                                             \
+                             lora, l * LORA_PROJECTIONS + LORA_GATE_UP, lora_t);                              \
                 LAP(PHASE_MATMUL);                                                                        \
                 act_mul_rows_##WS(gate_up, act, m, inter, model->activation);                          \
                 LAP(PHASE_OTHER);                                                                         \
-                project_##WS(&layer->down, act, x, m, &a8);                                                \
+                project_##WS(&layer->down, act, x, m, &a8,                                                    \
+                             lora, l * LORA_PROJECTIONS + LORA_DOWN, lora_t);                                 \
                 LAP(PHASE_MATMUL);                                                                        \
                 if (layer->mlp_output_norm) {                                                             \
                     rms_norm_rows_##WS(x, layer->mlp_output_norm, x, m, hidden, eps);                    \
@@ -199,6 +212,7 @@ static int rounds_activations(const struct decode_model *model) {
         free(gate_up);                                                                                    \
         free(act);                                                                                        \
         free(scratch);                                                                                    \
+        free(lora_t);                                                                                     \
         qg_scratch_free(&a8);                                                                             \
         return status;                                                                                    \
     }

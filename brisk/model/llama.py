@@ -12,7 +12,9 @@ when the model loads: kernels/backend.py), which every layer holds: on CPU the w
 matmuls runs in fused C kernels (residual add + RMSNorm in place, RoPE + the K/V cache write,
 SiLU-and-multiply: kernels/layer_ops.h, kernels/attention.h), on GPUs in their Triton
 counterparts (kernels/triton_layer_ops.py), elsewhere in torch (KernelBackend, their reference).
-Small decode steps on CPU run every layer in one C call (kernels/decode_layers.c). Weights keep
+Small decode steps on CPU run every layer in one C call (kernels/decode_layers.c). A step with
+LoRA adapters (a kernels/lora.py LoRABatch: which rows are whose) adds each adapter's update to
+its own rows after each of a layer's four projections, in every path. Weights keep
 Hugging Face names on the way in, so any HF checkpoint or a GGUF file renamed to HF names loads
 through `load_weights`.
 """
@@ -28,6 +30,7 @@ from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.attention import AttentionMetadata
 from brisk.kernels.backend import KernelBackend
 from brisk.kernels.kv_cache import KVCacheLayer
+from brisk.kernels.lora import LoRABatch
 from brisk.kernels.packed import QuantizedTensor
 from brisk.model.hparams import HParams
 from brisk.model.linear import Linear
@@ -52,11 +55,20 @@ class RMSNorm(nn.Module):
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class Attention(nn.Module):
-    """window: positions each query sees (its own included), 0 for all of them."""
+def project(linear: nn.Module, x: torch.Tensor, lora: LoRABatch | None, layer: int, name: str) -> torch.Tensor:
+    """linear(x), plus the step's adapters' updates of projection `name` of `layer` on their rows."""
+    y = linear(x)
+    if lora is not None:
+        linear.kernels.lora_add(y, x, lora, layer, name)
+    return y
 
-    def __init__(self, spec: HParams, kernels: KernelBackend, window: int = 0):
+
+class Attention(nn.Module):
+    """window: positions each query sees (its own included), 0 for all of them; index: the layer's."""
+
+    def __init__(self, spec: HParams, kernels: KernelBackend, window: int = 0, index: int = 0):
         super().__init__()
+        self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -68,24 +80,28 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels) if spec.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer, meta: AttentionMetadata,
+                lora: LoRABatch | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; this step's rotated K and V go into the cache first."""
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q = self.kernels.rope_write_kv(self.qkv_proj(x), rope, kv_cache, meta, self.num_heads, *norms)
+        qkv = project(self.qkv_proj, x, lora, self.index, "qkv")
+        q = self.kernels.rope_write_kv(qkv, rope, kv_cache, meta, self.num_heads, *norms)
         out = self.kernels.paged_attention(q, kv_cache, meta, self.scale, self.window, rope.positions)
-        return self.o_proj(out.view(x.shape[0], self.q_size))
+        return project(self.o_proj, out.view(x.shape[0], self.q_size), lora, self.index, "o")
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: HParams, kernels: KernelBackend):
+    def __init__(self, spec: HParams, kernels: KernelBackend, index: int = 0):
         super().__init__()
+        self.index = index
         self.kernels = kernels
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, False, kernels)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, False, kernels)
         self.activation = spec.family.hidden_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.act_mul(self.gate_up_proj(x), self.activation))
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        hidden = self.kernels.act_mul(project(self.gate_up_proj, x, lora, self.index, "gate_up"), self.activation)
+        return project(self.down_proj, hidden, lora, self.index, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -96,27 +112,27 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: HParams, kernels: KernelBackend, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.self_attn = Attention(spec, kernels, spec.window(index))
+        self.self_attn = Attention(spec, kernels, spec.window(index), index)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.mlp = MLP(spec, kernels)
+        self.mlp = MLP(spec, kernels, index)
         sandwich = spec.family.sandwich_norms
         self.attention_output_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if sandwich else None
         self.mlp_output_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if sandwich else None
         self.local_rope = spec.local_rope_theta is not None and spec.window(index) > 0
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
-                kv_cache: KVCacheLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCacheLayer,
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's input, the residual stream before it) -> the same for the next layer.
         The first layer gets the embeddings as x and no residual."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
+        x = self.self_attn(x, rope, kv_cache, meta, lora)
         if self.attention_output_norm is not None:
             x = self.attention_output_norm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp(x)
+        x = self.mlp(x, lora)
         if self.mlp_output_norm is not None:
             x = self.mlp_output_norm(x)
         return x, residual
@@ -175,19 +191,20 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = kernels
         self._decode_layers = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> torch.Tensor:
-        """[T] token ids -> [T, hidden] final hidden states (logits are taken only where needed).
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] final hidden states (logits are taken only where needed);
+        lora: the step's rows' adapters, or None.
         Small pure-decode steps run every layer in one call where the backend fuses them (the
         C kernels: kernels/decode_layers.c); at batch 1, Python's dispatch per layer was more
         than the layer's own work outside the matmuls."""
         x, residual = self.embed(input_ids), None
         if self.kernels.fuses_decode(meta.num_decodes, len(meta.prefills), self.norm.weight, kv_caches[0]):
-            return self._fused_decode(meta.layer_groups)(x.float(), positions, meta, kv_caches).to(x.dtype)
+            return self._fused_decode(meta.layer_groups)(x.float(), positions, meta, kv_caches, lora=lora).to(x.dtype)
         rope = self.rotary.at(positions)
         local_rope = self.local_rotary.at(positions) if self.local_rotary is not None else rope
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, local_rope if layer.local_rope else rope, kv_cache, meta.for_layer(i))
+            x, residual = layer(x, residual, local_rope if layer.local_rope else rope, kv_cache, meta.for_layer(i), lora)
         return self.norm(x, residual)[0]
 
     def _apply(self, fn, *args, **kwargs):

@@ -28,13 +28,17 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
+from brisk.kernels import lora as kernel_lora
+from brisk.sampling_params import SamplingError
+
 if TYPE_CHECKING:
     from brisk.model.llama import LlamaForCausalLM
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections an adapter may update, as our model names them
+# The projections an adapter may update, as our model names them (the kernels' names in the same order)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_KERNEL_NAMES = dict(zip(PROJECTIONS, kernel_lora.PROJECTIONS))
 # PEFT's fields whose other values change the arithmetic (the value here: theirs by default)
 UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
                "fan_in_fan_out": False, "lora_bias": False, "layer_replication": None, "target_parameters": None,
@@ -43,12 +47,16 @@ UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "bias": "none", "rank
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[^.]+)?\.weight$")
 
 
-class LoRAError(ValueError):
-    """An adapter brisk cannot apply as its file says; `field` names what (the server's 400)."""
+class LoRAError(SamplingError):
+    """An adapter brisk cannot apply as its file says, or a request for one it cannot serve;
+    `field` names what (the server's 400, as any SamplingError)."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+    @property
+    def field(self) -> str:
+        return self.param
+
+    def __reduce__(self):  # crosses the engine process's socket as itself
+        return type(self), (self.param, self.message)
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,28 @@ class LoRAAdapter:
         if not shards:
             raise LoRAError(WEIGHTS_FILE, f"no LoRA weights in {weights}")
         return cls(name, path, config, tuple(shards))
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    def weights(self, num_layers: int, dtype: torch.dtype, device: torch.device) -> kernel_lora.AdapterWeights:
+        """The adapter as a step applies it (kernels/lora.py): per projection its modules' A
+        matrices stacked, each module's B a piece over its rows, in `dtype` on `device`."""
+        grouped: dict[tuple[int, str], list[LoRAShard]] = {}
+        for shard in self.shards:
+            grouped.setdefault((shard.layer, shard.projection), []).append(shard)
+        projections = {}
+        for (layer, projection), shards in grouped.items():
+            shards.sort(key=lambda s: s.first_row)
+            convert = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+            pieces, first_rank = [], 0
+            for shard in shards:
+                pieces.append(kernel_lora.LoRAPiece(shard.first_row, first_rank, convert(shard.b)))
+                first_rank += shard.a.shape[0]
+            projections[(layer, _KERNEL_NAMES[projection])] = kernel_lora.LoRAProjection(
+                convert(torch.cat([shard.a for shard in shards])), tuple(pieces))
+        return kernel_lora.AdapterWeights(num_layers, projections)
 
     def delta(self, layer: int, projection: str, rows: int, cols: int) -> torch.Tensor:
         """The update of one of the model's [rows, cols] projections (zero where no module of it

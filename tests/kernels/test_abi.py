@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels import lora as kernel_lora
 from brisk.kernels.kv_cache import KVCacheLayer
 from tests.helpers import require_c_compiler
 
@@ -25,9 +26,10 @@ require_c_compiler()
 
 SHAPE = (("BLOCK_SIZE", 16), ("HEAD_DIM", 64))  # what _shaped_library defines, for a cache of 16 x 64
 SOURCES = {"paged_attention.c": SHAPE, "decode_layers.c": SHAPE, "linear.c": (), "layer_ops.c": (),
-           "sampling.c": (), "quant_linear.c": ()}
+           "sampling.c": (), "quant_linear.c": (), "lora.c": ()}
 STRUCTS = {cpu_kernels._Weight: "weight", cpu_kernels._Layer: "decode_layer", cpu_kernels._Model: "decode_model",
-           cpu_kernels._Batch: "decode_batch"}
+           cpu_kernels._Batch: "decode_batch", kernel_lora._Piece: "lora_piece", kernel_lora._Projection: "lora_projection",
+           kernel_lora._Batch: "lora_batch"}
 C_SCALARS = {"int64_t": "int64", "int32_t": "int32", "int": "int32", "float": "float", "double": "double"}
 # GCC's __builtin_classify_type (typeclass.h), which the probe prints for each field
 TYPE_CLASSES = {1: "integer", 5: "pointer", 8: "real", 12: "record"}
@@ -273,3 +275,12 @@ def test_decode_layers_out_of_memory(two_threads):
     kernel = cpu_kernels._library("decode_layers.c", SHAPE).decode_layers_f32_f32
     assert kernel(ctypes.byref(model), ctypes.byref(batch), x.data_ptr(), None) != 0
     assert (x == 7.0).all()
+
+
+def test_lora_add_out_of_memory(two_threads):
+    batch = kernel_lora._Batch(1, HUGE)  # the shrink's scratch: rows x max_rank floats
+    y = torch.full((1, 1), 7.0)
+    with pytest.raises(MemoryError, match="lora_add"):
+        cpu_kernels._check(cpu_kernels._library("lora.c").lora_add(ctypes.byref(batch), 0, None, y.data_ptr(), 1, 1, 1),
+                           "lora_add")
+    assert (y == 7.0).all()

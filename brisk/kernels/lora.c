@@ -1,0 +1,17 @@
+/* lora_add: the adapters' updates of one projection for the layer-by-layer path (prefill chunks,
+ * batches past the fused decode step), in a parallel region of its own around lora.h's loops.
+ * y [m, n] += the update of projection `index` (layer * LORA_PROJECTIONS + which) for x [m, k]. */
+#include <stdint.h>
+
+#include "lora.h"
+#include "status.h"
+
+int lora_add(const struct lora_batch *batch, int64_t index, const float *x, float *y, int64_t m, int64_t k,
+             int64_t n) {
+    float *t = scratch_floats(m * batch->max_rank);
+    if (!t) return KERNEL_OUT_OF_MEMORY;
+#pragma omp parallel
+    lora_add_rows(batch, index, x, y, k, n, t);
+    free(t);
+    return KERNEL_OK;
+}

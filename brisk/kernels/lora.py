@@ -1,0 +1,177 @@
+"""LoRA adapters as the kernels apply them: one segmented low-rank product per projection.
+
+A step may mix rows of several adapters and of the base model. The base weights run once over
+every row, as without adapters; then each adapter's update is added to its own rows only:
+
+    y[i] += B (A x[i])          for each row i of the adapter's segment
+
+in two halves, as Punica's SGMV does on GPUs: the shrink (t = A x, a few numbers per row, each
+row of A read once for the whole segment) and the expand (y += B t, each row of B read once per
+segment). The rows of the step are grouped by adapter once (LoRABatch.of), so every projection
+of every layer reads each adapter's A and B once per step, whatever its number of rows.
+
+An adapter's update of one of the model's fused projections (q/k/v, gate/up) is one A, its
+modules' A matrices stacked ([R, in]: R the sum of their ranks), and one B per module (a
+`LoRAPiece`: the rows of the projection it writes, and which of R it reads). Projections are
+numbered as the C kernels number them (PROJECTIONS); an adapter that leaves one alone has rank 0
+there. The scaling is folded into B by the caller (model/lora.py).
+
+The ctypes structs below mirror lora.h's; the C backend (kernels/cpu.py) passes them. Nothing
+here imports the rest of brisk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+# The projections of a layer an adapter may update, in lora.h's order (enum lora_projection)
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class LoRAPiece:
+    """One adapted module's B inside a fused projection."""
+
+    first_row: int  # the projection's row its first row adds to
+    first_rank: int  # where its columns of t start (its A's rows in the stacked A)
+    b: torch.Tensor  # [rows, rank], the scaling folded in
+
+    @property
+    def rank(self) -> int:
+        return self.b.shape[1]
+
+
+@dataclass(frozen=True)
+class LoRAProjection:
+    """An adapter's update of one projection of one layer."""
+
+    a: torch.Tensor  # [R, in]: the pieces' A matrices, stacked
+    pieces: tuple[LoRAPiece, ...]
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+class _Piece(ctypes.Structure):  # struct lora_piece, lora.h
+    _fields_ = [("first_row", _I64), ("rows", _I64), ("first_rank", _I64), ("rank", _I64), ("b", _PTR)]
+
+
+class _Projection(ctypes.Structure):  # struct lora_projection
+    _fields_ = [("a", _PTR), ("rank", _I64), ("num_pieces", _I64), ("pieces", ctypes.POINTER(_Piece))]
+
+
+class _Batch(ctypes.Structure):  # struct lora_batch
+    _fields_ = [("num_adapters", _I64), ("max_rank", _I64), ("bf16", _I64), ("rows", _PTR), ("starts", _PTR),
+                ("adapters", ctypes.POINTER(ctypes.POINTER(_Projection)))]
+
+
+class AdapterWeights:
+    """One adapter's updates of a model's layers, in one dtype, on one device: what a step reads.
+
+    On CPU it also holds the C kernels' table of them (num_layers x PROJECTIONS `lora_projection`
+    structs), built once here and pointing into the tensors this object keeps."""
+
+    def __init__(self, num_layers: int, projections: dict[tuple[int, str], LoRAProjection]):
+        self.num_layers = num_layers
+        self.projections = projections
+        tensors = [t for p in projections.values() for t in (p.a, *(piece.b for piece in p.pieces))]
+        self.dtype = tensors[0].dtype if tensors else torch.float32
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        if any(t.dtype != self.dtype or t.device != self.device or not t.is_contiguous() for t in tensors):
+            raise ValueError("an adapter's tensors must share one dtype and device and be contiguous")
+        self.max_rank = max((p.rank for p in projections.values()), default=0)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._table = self._pieces = None
+        if self.device.type == "cpu":
+            self._pieces = [(_Piece * len(p.pieces))(*(
+                _Piece(piece.first_row, piece.b.shape[0], piece.first_rank, piece.rank, piece.b.data_ptr())
+                for piece in p.pieces)) for p in projections.values()]
+            pieces = dict(zip(projections, self._pieces))
+            self._table = (_Projection * (num_layers * len(PROJECTIONS)))()
+            for (layer, name), p in projections.items():
+                entry = self._table[layer * len(PROJECTIONS) + PROJECTIONS.index(name)]
+                entry.a, entry.rank, entry.num_pieces, entry.pieces = p.a.data_ptr(), p.rank, len(p.pieces), \
+                    pieces[(layer, name)]
+
+    def get(self, layer: int, projection: str) -> LoRAProjection | None:
+        return self.projections.get((layer, projection))
+
+    @property
+    def table(self) -> ctypes.Array:
+        """The C kernels' table (CPU adapters only)."""
+        if self._table is None:
+            raise ValueError("the C kernels read adapters in CPU memory")
+        return self._table
+
+
+@dataclass
+class LoRABatch:
+    """The adapters of one step's rows: `adapters[a]`'s rows are rows[starts[a]:starts[a + 1]]
+    (indices into the step's flat token batch); rows of the base model are in no segment."""
+
+    adapters: list[AdapterWeights]
+    rows: torch.Tensor  # int64, grouped by adapter
+    starts: list[int]  # [len(adapters) + 1]
+    _struct: _Batch | None = None
+    _keep: tuple = ()
+
+    @classmethod
+    def of(cls, row_adapters: list[AdapterWeights | None], device: torch.device) -> LoRABatch | None:
+        """The batch for one adapter (or None) per row; None when no row has one."""
+        adapters: list[AdapterWeights] = []
+        members: dict[int, list[int]] = {}
+        for row, adapter in enumerate(row_adapters):
+            if adapter is not None:
+                if id(adapter) not in members:
+                    adapters.append(adapter)
+                members.setdefault(id(adapter), []).append(row)
+        if not adapters:
+            return None
+        segments = [members[id(a)] for a in adapters]
+        starts = [0]
+        for segment in segments:
+            starts.append(starts[-1] + len(segment))
+        rows = torch.tensor([r for segment in segments for r in segment], dtype=torch.long, device=device)
+        return cls(adapters, rows, starts)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapters[0].dtype
+
+    @property
+    def max_rank(self) -> int:
+        return max(a.max_rank for a in self.adapters)
+
+    def segments(self):
+        """(adapter, its rows) for each adapter of the step."""
+        for i, adapter in enumerate(self.adapters):
+            yield adapter, self.rows[self.starts[i]:self.starts[i + 1]]
+
+    def struct(self) -> _Batch:
+        """struct lora_batch for the C kernels, built once per step."""
+        if self._struct is None:
+            starts = torch.tensor(self.starts, dtype=torch.long)
+            tables = (ctypes.POINTER(_Projection) * len(self.adapters))(
+                *(ctypes.cast(a.table, ctypes.POINTER(_Projection)) for a in self.adapters))
+            self._keep = (starts, tables)
+            self._struct = _Batch(len(self.adapters), self.max_rank, self.dtype == torch.bfloat16, self.rows.data_ptr(),
+                                  starts.data_ptr(), tables)
+        return self._struct
+
+
+def lora_add_torch(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str) -> None:
+    """y[rows] += B (A x[rows]) for each adapter's rows, in float32 (the reference of the kernels)."""
+    for adapter, rows in lora.segments():
+        update = adapter.get(layer, projection)
+        if update is None:
+            continue
+        t = x[rows].float() @ update.a.float().t()
+        for piece in update.pieces:
+            cols = slice(piece.first_row, piece.first_row + piece.b.shape[0])
+            delta = t[:, piece.first_rank:piece.first_rank + piece.rank] @ piece.b.float().t()
+            y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)

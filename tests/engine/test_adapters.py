@@ -1,0 +1,207 @@
+"""LoRA adapters served by the engine (engine/adapters.py, kernels/lora.py) against PEFT: on a
+float32 tiny Llama, a step with an adapter computes the logits of the base model with that
+adapter merged into its weights (PEFT's merge_and_unload, run in transformers) within 1e-4, in
+the fused decode step, layer by layer and in torch; a batch mixing three adapters and the base
+model generates, row for row, what each merged model generates alone. Then what serving needs:
+no prefix blocks shared across adapters, the cap on adapters per batch, memory's LRU that never
+drops an adapter in use, unloading that lets running requests finish, and the errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from brisk import LLM, LoRARequest, SamplingParams
+from brisk.engine.adapters import AdapterNotFound
+from brisk.engine.request import Request
+from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
+from brisk.kernels.backend import KernelBackend
+from brisk.kernels.cpu import CBackend
+from brisk.model.lora import LoRAError
+from brisk.sampling_params import SamplingError
+from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint, hf_greedy, load_hf_reference
+from tests.helpers import hf_logits
+
+ATOL = 1e-4
+# Three adapters unlike each other: attention only, every linear layer with rsLoRA, the MLP only
+ADAPTERS = {"qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+            "all": dict(r=8, lora_alpha=16, use_rslora=True,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+            "mlp": dict(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(base folder, {adapter name: folder}, {adapter name: the merged HF model}, the base HF model)."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    base = build_tiny_checkpoint(str(root / "base"), "llama")
+    folders, merged = {}, {}
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        model = get_peft_model(load_hf_reference(base), LoraConfig(init_lora_weights=False, **options))
+        folders[name] = str(root / name)
+        model.save_pretrained(folders[name])
+        merged[name] = model.merge_and_unload().eval()
+    return base, folders, merged, load_hf_reference(base)
+
+
+def _llm(served, **options) -> LLM:
+    base, folders, _, _ = served
+    modules = [f"{name}={folder}" for name, folder in folders.items()]
+    return LLM(base, dtype="float32", quantization="none", num_kv_blocks=96, block_size=4, max_model_len=256,
+               lora_modules=modules, **options)
+
+
+@pytest.fixture(scope="module")
+def llm(served) -> LLM:
+    return _llm(served)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, TINY_VOCAB) for _ in range(length)]
+
+
+@torch.inference_mode()
+def _adapter_logits(engine, name: str, token_ids: list[int], chunk_sizes: list[int]) -> torch.Tensor:
+    """Logits at every position with adapter `name`, computed in these chunks (1: a decode step)."""
+    request = Request("lora-probe", token_ids, SamplingParams(max_tokens=1), adapter=name,
+                      lora=engine.adapters.get(name))
+    assert engine.kv.allocate(request, len(token_ids))
+    chunks = []
+    try:
+        for n in chunk_sizes:
+            batch = engine.runner._prepare(SchedulerOutput([ScheduledChunk(request, n)]))
+            assert batch.lora is not None
+            hidden = engine.model(batch.input_ids, batch.positions, engine.runner.kv_caches, batch.attn, batch.lora)
+            chunks.append(engine.model.compute_logits(hidden))
+            request.num_computed_tokens += n
+    finally:
+        engine.kv.free(request)
+    return torch.cat(chunks)
+
+
+@pytest.mark.parametrize("backend", ["kernels", "layered", "torch"])
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_logits_with_an_adapter_match_the_merged_model(served, llm, backend, name):
+    model = llm.engine.model
+    chosen = model.kernels
+    model.use_kernels({"kernels": CBackend(), "layered": CBackend(fuse_decode=False),
+                       "torch": KernelBackend()}[backend])
+    try:
+        prompt = _prompt(37, seed=3)
+        ours = _adapter_logits(llm.engine, name, prompt, [5, 1, 1, 14, 1, 15])
+    finally:
+        model.use_kernels(chosen)
+    merged = served[2][name]
+    assert (ours - hf_logits(merged, prompt)).abs().max().item() < ATOL
+    # and the adapter changes them: the test would notice an adapter left out
+    assert (ours - hf_logits(served[3], prompt)).abs().max().item() > 100 * ATOL
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_model_generates_what_each_alone_does(served, llm):
+    _, _, merged, base = served
+    names = [None, "qv", "all", "mlp", "all", None, "mlp", "qv"]
+    prompts = [_prompt(5 + 7 * i, seed=10 + i) for i in range(len(names))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False,
+                           lora_request=[LoRARequest(n) if n else None for n in names])
+    for name, prompt, output in zip(names, prompts, outputs):
+        expected = hf_greedy(merged[name] if name else base, prompt, 12)
+        assert list(output.outputs[0].token_ids) == expected, name
+    assert_no_leaks(llm.engine)
+
+
+def test_adapters_never_share_prefix_blocks(llm):
+    prompt = _prompt(40, seed=99)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    cached = [llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest(n) if n else None)[0]
+              .num_cached_tokens for n in ("qv", "all", None, "qv", "all", None)]
+    assert cached[:3] == [0, 0, 0]  # a prompt seen under one adapter is new to every other and to the base
+    assert all(c >= 36 for c in cached[3:])  # and cached for its own
+
+
+def test_a_batch_holds_at_most_max_loras_adapters(served):
+    llm = _llm(served, max_loras=2)
+    engine = llm.engine
+    names = ["qv", "all", "mlp", "qv", "mlp", "all"]
+    for i, name in enumerate(names):
+        engine.add_request(_prompt(6, seed=i), SamplingParams(max_tokens=6, ignore_eos=True),
+                           lora_request=LoRARequest(name))
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = {r.adapter for r in engine.scheduler.running}
+        assert len(running) <= 2
+        seen |= running
+    assert seen == set(ADAPTERS)  # every adapter got its turn
+    assert_no_leaks(engine)
+
+
+def test_memory_keeps_max_cpu_loras_and_never_drops_one_in_use(served):
+    llm = _llm(served, max_loras=1, max_cpu_loras=1)
+    engine, adapters = llm.engine, llm.engine.adapters
+    assert adapters.resident == ["mlp"]  # the last of three loaded at start
+    prompt = _prompt(9, seed=5)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("qv"))[0]
+    assert adapters.resident == ["qv"]  # read again from its folder, "mlp" dropped
+    engine.add_request(prompt, params, "busy", lora_request=LoRARequest("qv"))
+    adapters.get("all")  # a new one while "qv" has a request: both stay
+    assert adapters.resident == ["qv", "all"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    again = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("qv"))[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert adapters.resident == ["qv"]  # past the capacity once "qv" no longer ran
+
+
+def test_unloading_lets_running_requests_finish_and_refuses_new_ones(served):
+    llm = _llm(served)
+    engine = llm.engine
+    prompt = _prompt(11, seed=7)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = hf_greedy(served[2]["all"], prompt, 8)
+    engine.add_request(prompt, params, "running", lora_request=LoRARequest("all"))
+    engine.step()
+    engine.unload_adapter("all")
+    with pytest.raises(AdapterNotFound) as raised:
+        engine.add_request(prompt, params, lora_request=LoRARequest("all"))
+    assert raised.value.field == "model"
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert list(outputs[0].outputs[0].token_ids) == expected
+    engine.load_adapter("all", served[1]["all"])  # and back
+    assert "all" in engine.adapters.resident
+
+
+def test_errors_name_the_problem(served, llm, tmp_path):
+    engine = llm.engine
+    with pytest.raises(AdapterNotFound, match="no adapter named 'nope'"):
+        engine.add_request([5, 6], SamplingParams(), lora_request=LoRARequest("nope"))
+    with pytest.raises(LoRAError) as raised:
+        engine.load_adapter("qv", served[1]["all"])  # the name is taken
+    assert raised.value.field == "lora_name"
+    with pytest.raises(LoRAError, match="above max_lora_rank=4"):
+        _llm(served, max_lora_rank=4)  # "all" has rank 8
+    plain = LLM(served[0], dtype="float32", quantization="none", num_kv_blocks=32, block_size=4, max_model_len=64)
+    with pytest.raises(SamplingError, match="not enabled"):
+        plain.engine.add_request([5, 6], SamplingParams(), lora_request=LoRARequest("qv", 1, served[1]["qv"]))
+    with pytest.raises(LoRAError, match="not found"):
+        engine.load_adapter("empty", str(tmp_path))
+    assert_no_leaks(engine)
+
+
+def test_a_lora_request_with_a_path_loads_the_adapter_offline(served):
+    base, folders, merged, _ = served
+    llm = LLM(base, dtype="float32", quantization="none", num_kv_blocks=64, block_size=4, max_model_len=128,
+              enable_lora=True)
+    prompt = _prompt(13, seed=8)
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False,
+                       lora_request=LoRARequest("tuned", 1, folders["qv"]))[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(merged["qv"], prompt, 6)
