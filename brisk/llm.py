@@ -66,7 +66,7 @@ class LLM:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         params = _per_prompt(sampling_params, len(prompts))
-        adapters = _per_prompt(lora_request, len(prompts), LoRARequest, None)
+        adapters = _per_prompt(lora_request, len(prompts), LoRARequest)
         order = list(range(len(prompts)))
         if batching == "sorted":
             order.sort(key=lambda i: self._prompt_len(prompts[i]))
@@ -150,10 +150,11 @@ def _batch_metrics(batching: str, outputs: list[RequestOutput], groups: list[lis
                         1 - real / padded if padded else 0.0, sum(f - start for f in finished) / max(1, len(finished)))
 
 
-def _per_prompt(values, count: int, kind: type = SamplingParams, default=SamplingParams()) -> list:
-    """One value of `kind` per prompt: the default, one for all, or a sequence of `count`."""
+def _per_prompt(values, count: int, kind: type = SamplingParams) -> list:
+    """One value of `kind` per prompt: the default (SamplingParams(), or None for another kind),
+    one for all, or a sequence of `count`."""
     if values is None:
-        return [default] * count
+        return [SamplingParams() if kind is SamplingParams else None] * count
     if isinstance(values, kind):
         return [values] * count
     if len(values) != count:
