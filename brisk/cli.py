@@ -1,5 +1,5 @@
 """The `brisk` command: generate, chat, serve, embed, batch, quantize, quantize-embedder, export-tokenizer,
-train-medusa, distill, bench, eval, optimize.
+train-medusa, distill, train-lora, bench, eval, optimize.
 
 Flags are generated from EngineConfig's fields (`--max-num-seqs`, `--no-enable-prefix-caching`,
 ...) and, for `serve`, ServerConfig's and EmbeddingConfig's, so every command accepts the same
@@ -250,6 +250,16 @@ def cmd_distill(args: argparse.Namespace) -> None:
           f"--speculative-config '{{\"model\": \"{args.out}\"}}')")
 
 
+def cmd_train_lora(args: argparse.Namespace) -> None:
+    """A LoRA adapter trained on a JSON Lines file of examples (brisk/training/lora.py)."""
+    from brisk.training.lora import TrainLoRAConfig, train_lora
+
+    config = config_from_args(TrainLoRAConfig, args)
+    report = train_lora(args.model, args.out, config, log=lambda line: print(line, file=sys.stderr), progress=True)
+    print(report.summary())
+    print(f"{args.out}: a PEFT LoRA adapter (`brisk serve --lora-modules NAME={args.out}`)")
+
+
 def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineClient:
     """The engine on a thread of this process, or in a process of its own (--engine-process)."""
     if server_config.engine_process:
@@ -356,6 +366,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the student's folder (new or empty; or an interrupted run's, to resume it)")
     add_config_arguments(dist, DistillConfig, "distillation options")
     dist.set_defaults(func=cmd_distill)
+
+    from brisk.training.lora import TrainLoRAConfig
+
+    lora = sub.add_parser("train-lora", help="train a LoRA adapter of the model on a JSON Lines file of examples")
+    lora.add_argument("model", nargs="?", default=None,
+                      help="the base model: Hugging Face folder or .gguf file; default: SmolLM2-135M-Instruct (GGUF)")
+    lora.add_argument("--out", required=True,
+                      help="the adapter's folder (new or empty; or an interrupted run's, to resume it)")
+    add_config_arguments(lora, TrainLoRAConfig, "training options")
+    lora.set_defaults(func=cmd_train_lora)
 
     from brisk.bench.cli import add_bench_parser, add_eval_parser, add_optimize_parser
 

@@ -74,6 +74,18 @@ def build_tiny_checkpoint(folder: str, architecture: str) -> str:
     return folder
 
 
+def build_lora_adapter(base: str, folder: str, seed: int, **options):
+    """A random LoRA adapter of the HF model in `base` (B not zero, as training leaves it), saved
+    by PEFT in `folder` with LoraConfig(**options); returns the base model with it merged
+    (PEFT's merge_and_unload): the reference an adapter's outputs are held to."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(load_hf_reference(base), LoraConfig(init_lora_weights=False, **options))
+    model.save_pretrained(folder)
+    return model.merge_and_unload().eval()
+
+
 def pytest_configure(config) -> None:
     """Under pytest-xdist each worker (and every process it starts) computes on one thread: two
     workers of two OpenMP threads each on two cores stall at every parallel region's barrier."""

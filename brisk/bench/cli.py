@@ -52,6 +52,15 @@ def add_bench_parser(sub) -> None:
     add_engine_arguments(fp)
     fp.set_defaults(func=_main_of("brisk.bench.fairness"), dtype="float32", kv_cache_memory_gib=2.0)
 
+    lr = kinds.add_parser("lora", help="requests spread over LoRA adapters vs the base model alone")
+    lr.add_argument("--num-prompts", type=int, default=32, help="requests, all at once")
+    lr.add_argument("--output-len", type=int, default=128)
+    lr.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16], help="adapters the requests spread over")
+    lr.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
+    lr.add_argument("--rounds", type=int, default=3)
+    add_engine_arguments(lr)
+    lr.set_defaults(func=_main_of("brisk.bench.lora"))
+
     sm = kinds.add_parser("sampling", help="sampling settings vs greedy on the same batch")
     sm.add_argument("--num-prompts", type=int, default=32)
     sm.add_argument("--output-len", type=int, default=64)

@@ -40,7 +40,7 @@ from brisk.bench.workloads import (LONG_ANSWER_PAIRS, Conversation, agent_conver
                                    copy_prompts, held_out_copy_prompts, read_jsonl)
 from brisk.config import SpeculativeConfig
 from brisk.engine.output import RequestOutput
-from brisk.engine.request import EngineRequest
+from brisk.engine.request import EngineRequest, RequestOptions
 from brisk.engine.stats import SpecDecodeStats
 from brisk.engine.step_hook import NoStepHook
 from brisk.llm import LLM
@@ -170,7 +170,7 @@ def answer(llm: LLM, prompt: list[int], params: SamplingParams, draft: list[int]
     """One request alone, to its end: its output and its seconds from arrival to the last token."""
     engine = llm.engine
     request = EngineRequest.checked(f"hit-{next(_ids)}", prompt, params, engine.hparams.vocab_size,
-                                    engine.max_model_len, draft=tuple(draft))
+                                    engine.max_model_len, RequestOptions(draft=tuple(draft)))
     start = time.perf_counter()
     engine.add(request)
     final = None

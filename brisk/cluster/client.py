@@ -34,8 +34,9 @@ from ray.serve.handle import DeploymentHandle
 
 from brisk.cluster.replica import ReplicaDescription, ReplicaReport
 from brisk.transport.client import EngineClient, EngineDeadError, QueueLoad
+from brisk.engine.adapters import AdapterInfo
 from brisk.engine.output import RequestOutput
-from brisk.engine.request import validate_request
+from brisk.engine.request import NO_OPTIONS, RequestOptions, validate_request
 from brisk.engine.stats import EngineSnapshot, StatLogger, combined_snapshot
 from brisk.sampling_params import SamplingParams
 
@@ -135,9 +136,8 @@ class RayEngineClient(EngineClient):
         return cls(handle, await handle.describe.remote(), poll_seconds)
 
     # ----- EngineClient -----------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                 prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                 priority: int = 0, draft: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = validate_request(prompt_token_ids, params, self.model_info.vocab_size, self.model_info.max_model_len)
@@ -145,10 +145,9 @@ class RayEngineClient(EngineClient):
             raise EngineDeadError("the server is shutting down")
         if not self.is_healthy():
             raise EngineDeadError(f"no replica has answered healthy in the last {HEALTHY_WITHIN_SECONDS:g} s")
-        # The prompt goes first and positional: the router reads it as args[0].
-        response = self._handle.options(stream=True).generate.remote(
-            list(prompt_token_ids), params, request_id, prompt=prompt, cache_salt=cache_salt, tenant=tenant,
-            priority=priority, draft=draft)
+        # The prompt goes first and positional, the options by name: the router reads them so.
+        response = self._handle.options(stream=True).generate.remote(list(prompt_token_ids), params, request_id,
+                                                                     options=options)
         load = QueueLoad(params.n, params.n * len(prompt_token_ids))
         stream = RayRequestStream(self, request_id, response, load)
         self._streams[request_id] = stream
@@ -182,6 +181,25 @@ class RayEngineClient(EngineClient):
         answers = await self._handle.broadcast("clear_prefix_cache").results_async(
             timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
         return sum(a for a in answers if isinstance(a, int))
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """On every replica; where one refuses (the folder is not there), the others drop it again,
+        so no replica serves an adapter that another would answer 404 for."""
+        answers = await self._handle.broadcast("load_adapter", name, path).results_async(
+            timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:
+            if len(failed) < len(answers):
+                await self._handle.broadcast("unload_adapter", name).results_async(
+                    timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
+            raise _cause(failed[0])
+        return answers[0]
+
+    async def unload_adapter(self, name: str) -> None:
+        answers = await self._handle.broadcast("unload_adapter", name).results_async(
+            timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
+        if all(isinstance(a, BaseException) for a in answers):
+            raise _cause(answers[0])
 
     def is_healthy(self) -> bool:
         return time.monotonic() - self._healthy_at < HEALTHY_WITHIN_SECONDS
@@ -246,3 +264,11 @@ class RayEngineClient(EngineClient):
             del self._streams[stream.request_id]
         if not stream.started:
             self._waiting -= stream.load
+
+
+def _cause(error: BaseException) -> BaseException:
+    """What a replica's call raised, as its code raised it (a LoRAError stays one: the server's
+    400), or the transport's failure."""
+    if isinstance(error, RayTaskError) and isinstance(error.cause, Exception):
+        return error.cause
+    return error if isinstance(error, Exception) else EngineDeadError(str(error))

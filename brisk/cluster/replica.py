@@ -19,7 +19,9 @@ from typing import AsyncIterator
 from brisk.config import EngineConfig
 from brisk.transport.async_engine import AsyncEngine
 from brisk.transport.client import EngineDeadError, ModelInfo
+from brisk.engine.adapters import AdapterInfo
 from brisk.engine.output import RequestOutput
+from brisk.engine.request import NO_OPTIONS, RequestOptions
 from brisk.engine.stats import EngineSnapshot, IterationStats
 from brisk.model.tokenizer import Tokenizer
 from brisk.sampling_params import SamplingParams
@@ -78,14 +80,12 @@ class EngineReplica:
         return ReplicaDescription(self.engine.model_info, self.engine.tokenizer)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                       priority: int = 0, draft: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
+                       options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]:
         """The request's outputs as a Ray Serve stream. The ingress cancelling the stream (its
         client left) cancels this generator, and closing the engine stream aborts the request.
         The prompt (text and ids) goes with the first output only: the ingress has it from then
         on, and a long prompt would otherwise be pickled again with every token."""
-        stream = self.engine.generate(prompt_token_ids, params, request_id, prompt=prompt, cache_salt=cache_salt,
-                                      tenant=tenant, priority=priority, draft=draft)
+        stream = self.engine.generate(prompt_token_ids, params, request_id, options)
         first = True
         try:
             async for output in stream:
@@ -102,6 +102,12 @@ class EngineReplica:
 
     async def clear_prefix_cache(self) -> int:
         return await self.engine.clear_prefix_cache()
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        return await self.engine.load_adapter(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.unload_adapter(name)
 
     def abort_all(self) -> None:
         self.engine.abort_all()

@@ -40,7 +40,8 @@ class PrefixAffinityRouter(RequestRouter):
             return [[r] for r in sorted(candidate_replicas, key=lambda r: loads[r.replica_id])]
         pending_request.routing_context.should_backoff = True  # all full: back off, don't spin
         by_id = {r.replica_id: r for r in candidate_replicas}
-        key = self.affinity.key(pending_request.args[0], pending_request.kwargs.get("cache_salt"))
+        options = pending_request.kwargs.get("options")
+        key = self.affinity.key(pending_request.args[0], options.prefix_salt if options is not None else None)
         ranked = self.affinity.rank(key, loads)
         if ranked:
             self.tentative[pending_request.metadata.internal_request_id] = (ranked[0], time.monotonic(), key)

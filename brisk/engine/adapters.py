@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.engine.request import Request
+from brisk.identity import content_digest
 from brisk.engine.waiting import WaitingQueue
 from brisk.kernels.lora import AdapterWeights
 from brisk.model.llama import LlamaForCausalLM
@@ -49,6 +50,16 @@ class AdapterNotFound(LoRAError):
     """A request named an adapter the engine does not know (the server's 404)."""
 
 
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A loaded adapter as the server lists it and the response cache keys on it."""
+
+    name: str
+    path: str
+    rank: int
+    identity: str  # SHA-256 of the folder's files: another adapter saved under the same name is another model
+
+
 class Adapters:
     """The engine's adapters (see the module docstring). in_use: the names of the adapters of
     the requests in the engine (waiting or running), asked for before one is dropped."""
@@ -57,8 +68,7 @@ class Adapters:
                  in_use: Callable[[], set[str]]):
         self.model, self.dtype = model, dtype
         self.max_rank, self.capacity = max_rank, capacity
-        self.paths: dict[str, str] = {}  # every known adapter's folder
-        self.ranks: dict[str, int] = {}
+        self.infos: dict[str, AdapterInfo] = {}  # every known adapter
         self._resident: OrderedDict[str, AdapterWeights] = OrderedDict()  # least recently used first
         self._in_use = in_use
 
@@ -67,48 +77,49 @@ class Adapters:
         """The adapters in memory, least recently used first."""
         return list(self._resident)
 
-    def load(self, name: str, path: str) -> None:
+    def load(self, name: str, path: str) -> AdapterInfo:
         """Reads and checks the adapter in folder `path` under `name`; raises LoRAError naming what
         is wrong. Loading a name again from the same folder does nothing; from another, it is
         refused (unload it first)."""
         if not name:
             raise LoRAError("lora_name", "an adapter needs a name")
-        if name in self.paths:
-            if self.paths[name] == path:
-                return
-            raise LoRAError("lora_name", f"an adapter named {name!r} is already loaded (from {self.paths[name]}); "
+        known = self.infos.get(name)
+        if known is not None:
+            if known.path == path:
+                return known
+            raise LoRAError("lora_name", f"an adapter named {name!r} is already loaded (from {known.path}); "
                                          "unload it first")
-        weights = self._read(name, path)
-        self.paths[name] = path
+        weights, rank = self._read(name, path)
+        self.infos[name] = info = AdapterInfo(name, path, rank, content_digest(path))
         self._keep(name, weights)
-        logger.info("loaded LoRA adapter %s from %s: rank %d, %.1f MB in %s", name, path, self.ranks[name],
-                    weights.nbytes / 1e6, str(self.dtype).removeprefix("torch."))
+        logger.info("loaded LoRA adapter %s from %s: rank %d, %.1f MB in %s", name, path, rank, weights.nbytes / 1e6,
+                    str(self.dtype).removeprefix("torch."))
+        return info
 
     def unload(self, name: str) -> None:
         """Forgets the adapter: new requests for it are refused; those in the engine finish with it."""
-        if name not in self.paths:
+        if name not in self.infos:
             raise AdapterNotFound("lora_name", f"no adapter named {name!r} is loaded")
-        del self.paths[name], self.ranks[name]
+        del self.infos[name]
         self._resident.pop(name, None)
         logger.info("unloaded LoRA adapter %s", name)
 
     def get(self, name: str) -> AdapterWeights:
         """The weights a new request of adapter `name` runs with, read again if they were dropped."""
-        if name not in self.paths:
-            known = ", ".join(sorted(self.paths)) or "none"
+        if name not in self.infos:
+            known = ", ".join(sorted(self.infos)) or "none"
             raise AdapterNotFound("model", f"no adapter named {name!r} (loaded: {known})")
         weights = self._resident.get(name)
         if weights is None:
-            weights = self._read(name, self.paths[name])
+            weights, _ = self._read(name, self.infos[name].path)
         self._keep(name, weights)
         return weights
 
-    def _read(self, name: str, path: str) -> AdapterWeights:
+    def _read(self, name: str, path: str) -> tuple[AdapterWeights, int]:
         adapter = LoRAAdapter.load(name, path, self.model)
         if adapter.rank > self.max_rank:
             raise LoRAError("r", f"adapter {name!r} has rank {adapter.rank}, above max_lora_rank={self.max_rank}")
-        self.ranks[name] = adapter.rank
-        return adapter.weights(self.model.hparams.num_layers, self.dtype, self.model.norm.weight.device)
+        return adapter.weights(self.model.hparams.num_layers, self.dtype, self.model.norm.weight.device), adapter.rank
 
     def _keep(self, name: str, weights: AdapterWeights) -> None:
         """Keeps `name` in memory as the most recently used, dropping the least recently used idle

@@ -19,12 +19,12 @@ from dataclasses import replace
 import torch
 
 from brisk.config import ConfigError, EngineConfig
-from brisk.engine.adapters import AdapterCap, Adapters, LoRARequest, adapter_dtype
+from brisk.engine.adapters import AdapterCap, AdapterInfo, Adapters, LoRARequest, adapter_dtype
 from brisk.engine.cuda_graphs import capture_sizes
 from brisk.engine.kv_cache import KVCacheManager, KVLayout
 from brisk.kernels.kv_cache import kv_bytes_per_token
 from brisk.engine.output import OutputProcessor, RequestOutput
-from brisk.engine.request import EngineRequest, Request, RequestStatus
+from brisk.engine.request import EngineRequest, Request, RequestOptions, RequestStatus
 from brisk.engine.runner import ModelRunner, RunnerOutput
 from brisk.engine.scheduler import Progress, Scheduler, SchedulerOutput
 from brisk.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats, StatLogger
@@ -145,16 +145,15 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         if lora_request is not None and lora_request.lora_path is not None:
             self.load_adapter(lora_request.lora_name, lora_request.lora_path)
-        request = EngineRequest.checked(
-            request_id if request_id is not None else str(next(self._ids)), token_ids, params,
-            self.hparams.vocab_size, self.max_model_len, prompt=text, cache_salt=cache_salt,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            adapter=lora_request.lora_name if lora_request is not None else None)
+        options = RequestOptions(prompt=text, cache_salt=cache_salt,
+                                 adapter=lora_request.lora_name if lora_request is not None else None)
+        request = EngineRequest.checked(request_id if request_id is not None else str(next(self._ids)), token_ids,
+                                        params, self.hparams.vocab_size, self.max_model_len, options, arrival_time)
         return self.add(request)
 
-    def load_adapter(self, name: str, path: str) -> None:
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
         """Serves the PEFT adapter in folder `path` as `name` from now on (engine/adapters.py)."""
-        self._enabled_adapters("lora_name").load(name, path)
+        return self._enabled_adapters("lora_name").load(name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Stops serving adapter `name`; its requests in the engine finish with it."""
@@ -168,9 +167,10 @@ class LLMEngine:
 
     def add(self, request: EngineRequest) -> str:
         """Queues a request checked at the edge (EngineRequest.checked); returns its id."""
-        if request.draft and not self.step_hook.verifies_supplied_drafts:
+        options = request.options
+        if options.draft and not self.step_hook.verifies_supplied_drafts:
             raise SamplingError("draft", "needs speculative decoding: start the engine with a speculative_config")
-        lora = self._enabled_adapters("model").get(request.adapter) if request.adapter is not None else None
+        lora = self._enabled_adapters("model").get(options.adapter) if options.adapter is not None else None
         params, children = request.params, []
         for i in range(params.n):
             child_params = self._child_params(params, i)
@@ -182,17 +182,17 @@ class LLMEngine:
                 eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                 max_model_len=self.max_model_len,
                 arrival_time=request.arrival_time,
-                cache_salt=request.cache_salt,
-                adapter=request.adapter,
+                cache_salt=options.cache_salt,
+                adapter=options.adapter,
                 lora=lora,
-                tenant=request.tenant or "default",
-                priority=request.priority,
+                tenant=options.tenant or "default",
+                priority=options.priority,
                 child_index=i,
                 sampling_seed=seed,
                 grammar=self._grammar(params),
-                supplied_draft=request.draft,
+                supplied_draft=options.draft,
             ))
-        self.output_processor.add(request.request_id, request.prompt, children)
+        self.output_processor.add(request.request_id, options.prompt, children)
         for child in children:
             self.scheduler.add(child)
         return request.request_id

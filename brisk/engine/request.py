@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from brisk.engine.stats import SpecDecodeStats
 from brisk.engine.step_hook import VerifyPlan
@@ -36,6 +36,37 @@ def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: i
     return params.validate_for_model(vocab_size)
 
 
+def prefix_salt(cache_salt: str | None, adapter: str | None) -> str | tuple[str | None, str] | None:
+    """What a request's prefix-cache entries are keyed on beside its tokens: its cache salt, and
+    its LoRA adapter (whose K/V differs from the base model's and every other adapter's). The
+    engine's blocks and the Ray router's prefix key both use it."""
+    return cache_salt if adapter is None else (cache_salt, adapter)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request brings beside its prompt ids and sampling params, passed as one value from
+    every edge (the offline LLM, the server, a Ray replica) through every engine client to the
+    core, so a new one is added here and nowhere else along the way."""
+
+    prompt: str | None = None  # the text, when the prompt came as text
+    cache_salt: str | None = None  # isolates its prefix-cache entries
+    # Carried for the techniques that act on them: fairness and quotas per tenant, an order among
+    # waiting requests (lower first, as vLLM's), a LoRA adapter by name, and tokens the client
+    # expects to follow the prompt (an edited file, a retrieved passage), verified as a long draft.
+    tenant: str | None = None
+    priority: int = 0
+    adapter: str | None = None
+    draft: tuple[int, ...] = ()
+
+    @property
+    def prefix_salt(self):
+        return prefix_salt(self.cache_salt, self.adapter)
+
+
+NO_OPTIONS = RequestOptions()
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """A request as it enters the engine core: tokenized and validated once, at the edge
@@ -45,28 +76,22 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    prompt: str | None = None  # the text, when the prompt came as text
+    options: RequestOptions = NO_OPTIONS
     arrival_time: float = field(default_factory=time.monotonic)
-    cache_salt: str | None = None  # isolates its prefix-cache entries
-    # Carried for the techniques that act on them: fairness and quotas per tenant, an order among
-    # waiting requests (lower first, as vLLM's), a LoRA adapter, and tokens the client expects to
-    # follow the prompt (an edited file, a retrieved passage), to be verified as a long draft.
-    tenant: str | None = None
-    priority: int = 0
-    adapter: str | None = None
-    draft: tuple[int, ...] = ()
 
     @classmethod
     def checked(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                max_model_len: int, **fields) -> "EngineRequest":
+                max_model_len: int, options: RequestOptions = NO_OPTIONS,
+                arrival_time: float | None = None) -> "EngineRequest":
         """Validates the prompt, the params and the draft against the model's limits; raises
         SamplingError naming the field."""
         params = validate_request(prompt_token_ids, params, vocab_size, max_model_len)
-        draft = tuple(fields.pop("draft", ()))
-        bad = [t for t in draft if not 0 <= t < vocab_size]
+        bad = [t for t in options.draft if not 0 <= t < vocab_size]
         if bad:
             raise SamplingError("draft", f"{bad[:5]} are outside the vocabulary of {vocab_size}")
-        return cls(request_id, list(prompt_token_ids), params, draft=draft, **fields)
+        options = replace(options, draft=tuple(options.draft))
+        return cls(request_id, list(prompt_token_ids), params, options,
+                   arrival_time if arrival_time is not None else time.monotonic())
 
 
 class RequestStatus(enum.Enum):
@@ -157,9 +182,7 @@ class Request:
 
     @property
     def prefix_salt(self) -> str | tuple[str | None, str] | None:
-        """What its prefix-cache entries are keyed on beside the tokens: the cache salt, and the
-        adapter (its K/V differs from the base model's and every other adapter's)."""
-        return self.cache_salt if self.adapter is None else (self.cache_salt, self.adapter)
+        return prefix_salt(self.cache_salt, self.adapter)
 
     @property
     def may_reuse_prefix(self) -> bool:

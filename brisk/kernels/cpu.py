@@ -657,7 +657,7 @@ class CBackend(KernelBackend):
 
     def lora_add(self, y, x, lora, layer, projection):
         if x.dtype == y.dtype == torch.float32 and x.device.type == "cpu" and lora.rows.device.type == "cpu" \
-                and not wants_grad(x, y):
+                and not wants_grad(x, y) and not (torch.is_grad_enabled() and lora.requires_grad):
             lora_add(y, x, lora, layer, projection)
         else:
             super().lora_add(y, x, lora, layer, projection)

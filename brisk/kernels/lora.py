@@ -85,6 +85,7 @@ class AdapterWeights:
         if any(t.dtype != self.dtype or t.device != self.device or not t.is_contiguous() for t in tensors):
             raise ValueError("an adapter's tensors must share one dtype and device and be contiguous")
         self.max_rank = max((p.rank for p in projections.values()), default=0)
+        self.requires_grad = any(t.requires_grad for t in tensors)  # an adapter in training (training/lora.py)
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._table = self._pieces = None
         if self.device.type == "cpu":
@@ -146,6 +147,10 @@ class LoRABatch:
     @property
     def max_rank(self) -> int:
         return max(a.max_rank for a in self.adapters)
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(a.requires_grad for a in self.adapters)
 
     def segments(self):
         """(adapter, its rows) for each adapter of the step."""

@@ -13,21 +13,24 @@ from __future__ import annotations
 import torch
 
 from brisk.kernels.attention import AttentionMetadata, PrefillSpan
+from brisk.kernels.lora import LoRABatch
 from brisk.model.llama import LlamaForCausalLM
 from brisk.kernels.kv_cache import KVCacheLayer
 
 BLOCK_SIZE = 16  # of the scratch cache
 
 
-def forward_sequences(model: LlamaForCausalLM, token_lists: list[list[int]]) -> torch.Tensor:
-    """[sum of lengths, hidden]: each sequence's final hidden states, in order, from position 0."""
+def forward_sequences(model: LlamaForCausalLM, token_lists: list[list[int]],
+                      lora: LoRABatch | None = None) -> torch.Tensor:
+    """[sum of lengths, hidden]: each sequence's final hidden states, in order, from position 0;
+    lora: the rows' adapters (training/lora.py trains one through it)."""
     device, spec = model.norm.weight.device, model.hparams
     input_ids, positions, meta = _prefill_batch(token_lists, device)
     kind = str(model.norm.weight.dtype).removeprefix("torch.")
     blocks = sum(_blocks(len(tokens)) for tokens in token_lists)
     caches = [KVCacheLayer.allocate(kind, blocks, spec.num_kv_heads, BLOCK_SIZE, spec.head_dim, device)
               for _ in range(spec.num_layers)]
-    return model(input_ids, positions, caches, meta)
+    return model(input_ids, positions, caches, meta, lora)
 
 
 def packs(lengths: list[int], tokens_per_pack: int) -> list[list[int]]:

@@ -77,6 +77,7 @@ class Cacheable:
     opt: bool | None  # the request's "cache" field
     threshold: float | None  # the request's own similarity threshold
     verify: bool | None = None  # its "cache_verify" (None: the server's); False where it cannot be one draft
+    adapter: str = ""  # the LoRA adapter's identity (AdapterInfo.identity), "" for the base model
 
 
 def caller(http: Request) -> Caller:
@@ -152,6 +153,8 @@ def cache_query(model: dict[str, str], tenant: str, request: Cacheable, threshol
         params = {**params, "temperature": 0.0}
     about_tokens = any(params.get(name) is not None and params.get(name) is not False  # logprobs 0 asks too
                        for name in TOKEN_FIELDS)
+    if request.adapter:  # an adapter is another model: its answers are its own
+        model = {**model, "adapter": request.adapter}
     return CacheQuery(tenant=tenant, scope=canonical([model, request.route, params, request.context]),
                       text=request.text, semantic=request.semantic and (verify or not about_tokens),
                       threshold=request.threshold or threshold, space=space, verify=verify)

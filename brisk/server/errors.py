@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from brisk.transport.client import EngineDeadError
+from brisk.engine.adapters import AdapterNotFound
 from brisk.sampling_params import SamplingError
 
 logger = logging.getLogger("brisk.server")
@@ -82,6 +83,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, lambda _, exc: _respond(exc))
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(SamplingError, lambda _, exc: _respond(APIError(400, str(exc), param=exc.param)))
+    app.add_exception_handler(AdapterNotFound, lambda _, exc: _respond(APIError(
+        404, str(exc), type="not_found_error", param=exc.param, code="model_not_found")))
     app.add_exception_handler(EngineDeadError, lambda _, exc: _respond(
         APIError(503, f"The engine is not running: {exc}", type="server_error")))
     app.add_exception_handler(StarletteHTTPException, lambda _, exc: _respond(

@@ -1,5 +1,7 @@
 """/v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}: OpenAI requests in,
-engine requests out, and back, on top of the shared Serving helpers.
+engine requests out, and back, on top of the shared Serving helpers. And vLLM's routes that load
+and unload LoRA adapters at run time (admin only): an adapter is then a model of its own in
+/v1/models (its `parent` the base model), which a request picks by its `model` field.
 
 Non-streamed requests watch for the client going away and abort their engine requests, so a
 disconnected client never keeps KV blocks busy; streamed ones abort when Starlette cancels the
@@ -14,16 +16,19 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from brisk.cache.keys import canonical
+from brisk.engine.adapters import AdapterInfo
 from brisk.engine.output import CompletionOutput, RequestOutput, accumulate
+from brisk.engine.request import RequestOptions
 from brisk.sample.logprobs import TokenLogprobs
 from brisk.server.caching import (Cacheable, CacheLookup, ResponseCaching, caller, deterministic, fields, lookup,
                                   worth_storing)
 from brisk.server.embedding_api import EmbeddingServing
 from brisk.server.errors import APIError
-from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
+from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
+                                   UnloadLoRAAdapterRequest)
 from brisk.server.serving import STREAMING_RESPONSES, Serving, Streams, merge, sse
 from brisk.server.tools import ToolCallParser, check_tools, parse_tool_calls, tool_grammar
 
@@ -38,6 +43,8 @@ def openai_router(serving: Serving, embeddings: EmbeddingServing | None = None,
     router.add_api_route("/v1/models", api.models, methods=["GET"])
     # :path, as a served name may hold a slash ("org/model"; the openai client sends it as %2F)
     router.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    router.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
+    router.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     return router
 
 
@@ -48,6 +55,7 @@ class OpenAIServing:
 
     async def models(self) -> dict:
         cards = [self._model_card(name) for name in self.serving.model_names]
+        cards += [self._adapter_card(adapter) for adapter in self.serving.adapters.values()]
         if self.embeddings is not None:
             cards.append(self.embeddings.model_card(self.serving.created))
         return {"object": "list", "data": cards}
@@ -55,24 +63,48 @@ class OpenAIServing:
     async def model(self, model_id: str) -> dict:
         if self.embeddings is not None and model_id == self.embeddings.model_name:
             return self.embeddings.model_card(self.serving.created)
-        self.serving.check_model(model_id)
-        return self._model_card(model_id)
+        adapter = self.serving.check_model(model_id)
+        return self._model_card(model_id) if adapter is None else self._adapter_card(adapter)
 
     def _model_card(self, name: str) -> dict:
         """One served name; every alias has its own card, with the checkpoint's file name as `root`."""
         info = self.serving.engine.model_info
         return {"id": name, "object": "model", "created": self.serving.created, "owned_by": "brisk",
-                "root": info.name, "max_model_len": info.max_model_len}
+                "root": info.name, "parent": None, "max_model_len": info.max_model_len}
+
+    def _adapter_card(self, adapter: AdapterInfo) -> dict:
+        """A LoRA adapter, as vLLM lists one: its folder as `root`, the base model as `parent`."""
+        return {**self._model_card(adapter.name), "root": adapter.path, "parent": self.model_name}
+
+    def _reported_model(self, body) -> str:
+        """The `model` of a response: the adapter the request ran with, else the first served name."""
+        return body.model if body.model in self.serving.adapters else self.model_name
+
+    # ----- LoRA adapters at run time (vLLM's routes) ------------------------------------------
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, http: Request) -> Response:
+        _check_admin(http, "load")
+        if body.lora_name in self.serving.model_names or (self.embeddings is not None
+                                                          and body.lora_name == self.embeddings.model_name):
+            raise APIError(400, f"`{body.lora_name}` is the name of a served model.", param="lora_name")
+        if body.load_inplace and body.lora_name in self.serving.adapters:
+            await self.serving.unload_adapter(body.lora_name)
+        await self.serving.load_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, http: Request) -> Response:
+        _check_admin(http, "unload")
+        await self.serving.unload_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # ----- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
-        serving.check_model(body.model)
+        adapter = serving.check_model(body.model)
         check_tools(body)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",
                            param="prompt_logprobs")
-        cached = await lookup(self.caching, http, chat_cacheable(body) if self.caching else None)
+        cached = await lookup(self.caching, http, chat_cacheable(body, adapter) if self.caching else None)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if cached.served:
             prompt_ids = await serving.render_chat(body) if cached.status == "semantic" else None
@@ -85,8 +117,7 @@ class OpenAIServing:
         params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
                                       constraint or forced)
         draft = self._draft(cached, lambda choice: choice["message"].get("content"))
-        streams = await serving.submit([prompt_ids], [params], request_id, body.cache_salt, caller(http).tenant,
-                                       body.priority, draft)
+        streams = await serving.submit([prompt_ids], [params], request_id, _options(body, http, adapter, draft))
         tools = _ToolCalls({t.function.name for t in body.tools or []} if body.tool_choice != "none" else set(),
                            forced is not None)
         if body.stream:
@@ -101,7 +132,7 @@ class OpenAIServing:
 
     def _chat_response(self, body: ChatCompletionRequest, final: RequestOutput, tools: "_ToolCalls", request_id: str,
                        created: int) -> dict:
-        response = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+        response = {"id": request_id, "object": "chat.completion", "created": created, "model": self._reported_model(body),
                     "choices": [_chat_choice(body, c, tools) for c in final.outputs], "usage": _usage([final])}
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = _vllm_prompt_logprobs(final.prompt_logprobs)
@@ -154,7 +185,7 @@ class OpenAIServing:
     def _chunker(self, body, object_name: str, request_id: str, created: int):
         """Builds the stream's chunks; with include_usage every chunk carries `usage` (null until the last)."""
         def chunk(choices: list, usage: dict | None = None) -> dict:
-            payload = {"id": request_id, "object": object_name, "created": created, "model": self.model_name,
+            payload = {"id": request_id, "object": object_name, "created": created, "model": self._reported_model(body),
                        "choices": choices}
             if body.include_usage:
                 payload["usage"] = usage
@@ -195,12 +226,13 @@ class OpenAIServing:
     # ----- /v1/completions -------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         serving = self.serving
-        serving.check_model(body.model)
+        adapter = serving.check_model(body.model)
         body.check_best_of()
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
-        cached = await lookup(self.caching, http, _completion_cacheable(body, prompts) if self.caching else None)
+        cached = await lookup(self.caching, http,
+                              _completion_cacheable(body, prompts, adapter) if self.caching else None)
         base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if cached.served:
             prompt_ids = (await serving.tokenize(prompts, "prompt"))[0] if cached.status == "semantic" else None
@@ -213,8 +245,7 @@ class OpenAIServing:
         params = [body.sampling_params(serving.max_tokens(requested, len(ids), "prompt"), constraint)
                   for ids in prompts]
         draft = self._draft(cached, lambda choice: choice["text"])
-        streams = await serving.submit(prompts, params, base_id, body.cache_salt, caller(http).tenant, body.priority,
-                                       draft)
+        streams = await serving.submit(prompts, params, base_id, _options(body, http, adapter, draft))
         if body.stream:
             return sse(self._completion_stream(body, streams, base_id, created, cached), cached.headers)
         finals = await serving.collect(http, streams)
@@ -232,7 +263,7 @@ class OpenAIServing:
         usage = _usage(finals)
         if body.scores_only:
             usage = _usage_counts(usage["prompt_tokens"], 0, usage["prompt_tokens_details"]["cached_tokens"])
-        return {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name,
+        return {"id": base_id, "object": "text_completion", "created": created, "model": self._reported_model(body),
                 "choices": choices, "usage": usage}
 
     async def _completion_stream(self, body: CompletionRequest, streams: Streams, base_id: str,
@@ -302,9 +333,19 @@ class OpenAIServing:
 
 
 # ----- helpers --------------------------------------------------------------------------------
-def chat_cacheable(body: ChatCompletionRequest) -> Cacheable:
+def _options(body, http: Request, adapter: AdapterInfo | None, draft: tuple[int, ...]) -> RequestOptions:
+    return RequestOptions(cache_salt=body.cache_salt, tenant=caller(http).tenant, priority=body.priority,
+                          adapter=adapter.name if adapter is not None else None, draft=draft)
+
+
+def _check_admin(http: Request, action: str) -> None:
+    if not caller(http).admin:
+        raise APIError(403, f"Only the admin API key may {action} LoRA adapters.", type="permission_error")
+
+
+def chat_cacheable(body: ChatCompletionRequest, adapter: AdapterInfo | None = None) -> Cacheable:
     """The last message is matched by meaning when it is a user's text; every earlier turn, and
-    a last message of any other kind, must match exactly."""
+    a last message of any other kind, must match exactly. An adapter's answers are its own."""
     *earlier, last = body.messages
     semantic = last.role == "user"
     context = [_message(m) for m in (earlier if semantic else body.messages)]
@@ -312,7 +353,8 @@ def chat_cacheable(body: ChatCompletionRequest) -> Cacheable:
     return Cacheable(route="chat", params=fields(body, "messages"), context=context,
                      text=last.text if semantic else "", semantic=semantic, deterministic=deterministic(body),
                      opt=body.cache, threshold=body.cache_similarity_threshold,
-                     verify=body.cache_verify if one_draft else False)
+                     verify=body.cache_verify if one_draft else False,
+                     adapter=adapter.identity if adapter is not None else "")
 
 
 def _message(message) -> dict:
@@ -320,7 +362,8 @@ def _message(message) -> dict:
     return {**message.model_dump(exclude={"content"}, exclude_none=True), "content": message.text}
 
 
-def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]]) -> Cacheable | None:
+def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]],
+                          adapter: AdapterInfo | None = None) -> Cacheable | None:
     """One prompt per request is cached (a batch of prompts is not). Token-id prompts match
     exactly only (cache_query does the same for echo and prompt logprobs: they are about the
     prompt's own tokens)."""
@@ -332,7 +375,8 @@ def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]
     one_draft = body.n == 1 and not body.echo and body.structured_outputs_spec() is None
     return Cacheable(route="completions", params=fields(body, "prompt"), context=None, text=text, semantic=semantic,
                      deterministic=deterministic(body), opt=body.cache, threshold=body.cache_similarity_threshold,
-                     verify=body.cache_verify if one_draft else False)
+                     verify=body.cache_verify if one_draft else False,
+                     adapter=adapter.identity if adapter is not None else "")
 
 
 @dataclass

@@ -295,6 +295,21 @@ class GenerateBatchRequest(_Body):
     temperature: float = BRISK_DEFAULTS.temperature
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter; load_inplace replaces an adapter of that name."""
+
+    lora_name: Annotated[Text, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[Text, Field(min_length=1)]
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter (lora_int_id accepted and unused: brisk keys on names)."""
+
+    lora_name: Annotated[Text, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None
+
+
 class EmbeddingRequest(_Body):
     model: Text | None = None
     input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | \

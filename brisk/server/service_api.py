@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from brisk.engine.output import RequestOutput, accumulate
+from brisk.engine.request import RequestOptions
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
 from brisk.server.caching import Cacheable, ResponseCaching, caller, greedy, lookup, worth_storing
 from brisk.server.errors import APIError
@@ -73,8 +74,8 @@ class ServiceAPI:
                               OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
         # optimization=none: a private cache salt, so the prompt reuses no cached blocks and shares none.
         salt = uuid.uuid4().hex if body.optimization == "none" else None
-        [stream] = await self.serving.submit([prompt_ids], [params], f"gen-{uuid.uuid4().hex}", salt,
-                                             caller(http).tenant)
+        [stream] = await self.serving.submit([prompt_ids], [params], f"gen-{uuid.uuid4().hex}",
+                                             RequestOptions(cache_salt=salt, tenant=caller(http).tenant))
 
         def result(text: str, tokens: int) -> dict:
             return {"text": text, "tokens_generated": tokens, "latency_ms": (time.monotonic() - start) * 1000,
@@ -106,7 +107,8 @@ class ServiceAPI:
         prompts = await self.serving.tokenize(body.prompts, "prompts")
         params = [self._params(body.max_tokens, body.temperature, len(ids), f"prompts[{i}]", OutputKind.FINAL_ONLY)
                   for i, ids in enumerate(prompts)]
-        streams = await self.serving.submit(prompts, params, f"batch-{uuid.uuid4().hex}", tenant=caller(http).tenant)
+        streams = await self.serving.submit(prompts, params, f"batch-{uuid.uuid4().hex}",
+                                            RequestOptions(tenant=caller(http).tenant))
         finals = await self.serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -26,7 +27,9 @@ from fastapi.responses import StreamingResponse
 
 from brisk.config import ServerConfig
 from brisk.transport.client import EngineClient, EngineDeadError, QueueLoad
+from brisk.engine.adapters import AdapterInfo
 from brisk.engine.output import RequestOutput
+from brisk.engine.request import NO_OPTIONS, RequestOptions
 from brisk.model.tokenizer import NoChatTemplateError, continue_final_message
 from brisk.sampling_params import SamplingError, SamplingParams
 from brisk.server.errors import APIError, error_body
@@ -158,6 +161,8 @@ class Serving:
         self.tenants = TenantLedger(tenant_limits or {})
         self.model_names = model_names  # aliases: requests may name any, responses report the first
         self.model_name = model_names[0]
+        # LoRA adapters by name, as loaded through this server (and at the engine's start)
+        self.adapters: dict[str, AdapterInfo] = {a.name: a for a in engine.model_info.adapters}
         self.created = int(time.time())  # when the model came to be served: `created` of /v1/models
         info = engine.model_info
         self.max_model_len = info.max_model_len
@@ -205,10 +210,24 @@ class Serving:
                            param="messages") from exc
 
     # ----- checks ----------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+    def check_model(self, name: str | None) -> AdapterInfo | None:
+        """The LoRA adapter a request's `model` names, None for the base model (any of its names,
+        or none given); 404 for a name that is neither."""
+        if name is None or name in self.model_names:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
             raise APIError(404, f"The model `{name}` does not exist.", type="not_found_error", param="model",
                            code="model_not_found")
+        return adapter
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        self.adapters[name] = info = await self.engine.load_adapter(name, path)
+        return info
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.unload_adapter(name)
+        self.adapters.pop(name, None)
 
     def max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
         room = self.max_model_len - prompt_len
@@ -245,18 +264,17 @@ class Serving:
 
     # ----- submit and answer -----------------------------------------------------------------
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-                     cache_salt: str | None = None, tenant: str | None = None, priority: int = 0,
-                     draft: tuple[int, ...] = ()) -> Streams:
+                     options: RequestOptions = NO_OPTIONS) -> Streams:
         """Admits the whole request, then queues one engine request per prompt (ids request_id-i;
         a draft goes with a single prompt). All or nothing: if one prompt is refused, those
         already queued are aborted."""
-        tenant = tenant or DEFAULT_TENANT
+        tenant = options.tenant or DEFAULT_TENANT
+        options = replace(options, tenant=tenant)
         self.admit(sum(p.n for p in params), sum(p.n * len(ids) for ids, p in zip(prompts, params)), tenant)
         streams = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
-                stream = self.engine.generate(ids, p, f"{request_id}-{i}", cache_salt=cache_salt, tenant=tenant,
-                                              priority=priority, draft=draft)
+                stream = self.engine.generate(ids, p, f"{request_id}-{i}", options)
                 streams.append(self.tenants.hold(tenant, QueueLoad(p.n, p.n * len(ids)), stream))
         except BaseException:
             for stream in streams:

@@ -10,7 +10,7 @@ the server produced before, or the request's own prompt. This drafter keeps two 
   has left it: the rest may still line up further on;
 - the outputs of finished requests (each with the end of its prompt, so the first tokens of an
   answer have a context to match), per partition: a tenant's outputs never draft for another
-  tenant (nor, once adapters exist, one adapter's for another's). They are bounded by
+  tenant, nor one LoRA adapter's (or the base model's) for another's. They are bounded by
   `suffix_decoding_max_cached_requests` and `suffix_decoding_max_cached_tokens` and evicted
   oldest first; 0 requests turns them off (the request's own index stays).
 
@@ -54,7 +54,7 @@ MAX_TREE_TOKENS = 63  # a tree's rows see at most 63 keys before them (spec/veri
 
 @dataclass
 class _Document:
-    partition: str
+    partition: tuple[str, str | None]
     start: int  # absolute position of its first token
     end: int  # one past its separator
 
@@ -178,7 +178,7 @@ class SuffixDrafter(Drafter):
         self.min_prob = config.suffix_decoding_min_token_prob
         self._own: dict[str, SuffixIndex] = {}  # each running request's prompt and output
         self._brought: dict[str, SuffixIndex] = {}  # the drafts running requests brought
-        self._past: dict[str, SuffixIndex] = {}  # finished outputs, per partition
+        self._past: dict[tuple[str, str | None], SuffixIndex] = {}  # finished outputs, per partition
         self._documents: deque[_Document] = deque()  # every partition's, oldest first
         self.num_cached_tokens = 0
 
@@ -242,6 +242,7 @@ def pair_key(first: int, second: int) -> int:
     return first << 32 | second
 
 
-def partition(request: Request) -> str:
-    """Whose past outputs may draft for a request: its tenant's."""
-    return request.tenant
+def partition(request: Request) -> tuple[str, str | None]:
+    """Whose past outputs may draft for a request: its tenant's, with its adapter (another
+    adapter's answers would draft what that fine-tune says, not what this one does)."""
+    return request.tenant, request.adapter

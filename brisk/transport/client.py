@@ -15,7 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
+from brisk.engine.adapters import AdapterInfo
 from brisk.engine.output import RequestOutput
+from brisk.engine.request import NO_OPTIONS, RequestOptions
 from brisk.identity import content_digest, source_digest
 from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.model.loader import kernels_name
@@ -64,6 +66,8 @@ class ModelInfo:
     # answer is never served by a server whose model or settings would have answered differently.
     identity: str = ""
     verifies_drafts: bool = False  # a request may bring a draft to verify (speculative decoding is on)
+    enable_lora: bool = False  # LoRA adapters may be loaded and asked for
+    adapters: tuple[AdapterInfo, ...] = ()  # those loaded when the engine started (lora_modules)
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "ModelInfo":
@@ -83,7 +87,8 @@ class ModelInfo:
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, identity=_identity(engine),
-            verifies_drafts=engine.step_hook.verifies_supplied_drafts,
+            verifies_drafts=engine.step_hook.verifies_supplied_drafts, enable_lora=engine.adapters is not None,
+            adapters=tuple(engine.adapters.infos.values()) if engine.adapters is not None else (),
         )
 
 
@@ -116,12 +121,11 @@ class EngineClient(abc.ABC):
     tokenizer: Tokenizer
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                 prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                 priority: int = 0, draft: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]:
         """Queues a request; returns the async iterator of its outputs (call from the event loop).
-        draft: tokens it is expected to generate, verified while its output follows them
-        (EngineRequest.draft; needs model_info.verifies_drafts).
+        options: its text, cache salt, tenant, priority, adapter and draft (a draft needs
+        model_info.verifies_drafts).
 
         Validates first, so a bad request raises SamplingError before anything is queued and a
         server can answer 400 before starting a response. Leaving the iterator early (closing
@@ -146,6 +150,15 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def clear_prefix_cache(self) -> int:
         """Drops every cached prefix block no running request holds; returns how many."""
+
+    @abc.abstractmethod
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Serves the LoRA adapter in folder `path` as `name` (on every replica); raises LoRAError
+        naming what is wrong (engine/adapters.py)."""
+
+    @abc.abstractmethod
+    async def unload_adapter(self, name: str) -> None:
+        """Stops serving adapter `name`; its requests in flight finish with it."""
 
     @abc.abstractmethod
     def is_healthy(self) -> bool: ...

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from brisk.transport.client import EngineClient, EngineDeadError, ModelInfo, QueueLoad
+from brisk.engine.adapters import AdapterInfo
 from brisk.transport.core_loop import AbortAll, AbortRequest, AddRequest, Call, CallReply, Command, StepOutputs
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
-from brisk.engine.request import EngineRequest
+from brisk.engine.request import EngineRequest, NO_OPTIONS, RequestOptions
 from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.model.tokenizer import Tokenizer
 from brisk.sampling_params import SamplingParams
@@ -114,15 +116,13 @@ class LoopClient(EngineClient):
         drained, waiting = self._loop_load
         return self._sent - drained + waiting
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                 prompt: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
-                 priority: int = 0, draft: tuple[int, ...] = ()) -> RequestStream:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 options: RequestOptions = NO_OPTIONS) -> RequestStream:
         self._raise_if_dead()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = EngineRequest.checked(request_id, prompt_token_ids, params, self.model_info.vocab_size,
-                                        self.model_info.max_model_len, prompt=prompt, cache_salt=cache_salt,
-                                        tenant=tenant, priority=priority, draft=draft)
+                                        self.model_info.max_model_len, options)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         load = QueueLoad(request.params.n, request.params.n * len(prompt_token_ids))
         with self._lock:
@@ -157,6 +157,12 @@ class LoopClient(EngineClient):
 
     async def clear_prefix_cache(self) -> int:
         return await self.call(_evict_unused_cached_blocks)
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        return await self.call(functools.partial(_load_adapter, name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.call(functools.partial(_unload_adapter, name))
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self._stat_loggers = [*self._stat_loggers, stat_logger]  # a new list: deliver() may be iterating
@@ -212,6 +218,14 @@ class LoopClient(EngineClient):
 
 def _evict_unused_cached_blocks(engine: LLMEngine) -> int:
     return engine.kv.evict_unused_cached_blocks()
+
+
+def _load_adapter(name: str, path: str, engine: LLMEngine) -> AdapterInfo:
+    return engine.load_adapter(name, path)
+
+
+def _unload_adapter(name: str, engine: LLMEngine) -> None:
+    engine.unload_adapter(name)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Item]]) -> None:

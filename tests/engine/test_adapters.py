@@ -21,7 +21,8 @@ from brisk.kernels.backend import KernelBackend
 from brisk.kernels.cpu import CBackend
 from brisk.model.lora import LoRAError
 from brisk.sampling_params import SamplingError
-from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint, hf_greedy, load_hf_reference
+from tests.conftest import (TINY_VOCAB, assert_no_leaks, build_lora_adapter, build_tiny_checkpoint, hf_greedy,
+                            load_hf_reference)
 from tests.helpers import hf_logits
 
 ATOL = 1e-4
@@ -35,17 +36,11 @@ ADAPTERS = {"qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(base folder, {adapter name: folder}, {adapter name: the merged HF model}, the base HF model)."""
-    from peft import LoraConfig, get_peft_model
-
     root = tmp_path_factory.mktemp("adapters")
     base = build_tiny_checkpoint(str(root / "base"), "llama")
-    folders, merged = {}, {}
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        model = get_peft_model(load_hf_reference(base), LoraConfig(init_lora_weights=False, **options))
-        folders[name] = str(root / name)
-        model.save_pretrained(folders[name])
-        merged[name] = model.merge_and_unload().eval()
+    folders = {name: str(root / name) for name in ADAPTERS}
+    merged = {name: build_lora_adapter(base, folders[name], seed, **options)
+              for seed, (name, options) in enumerate(ADAPTERS.items())}
     return base, folders, merged, load_hf_reference(base)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from brisk import SamplingParams
-from brisk.engine.request import EngineRequest
+from brisk.engine.request import EngineRequest, RequestOptions
 from brisk.sampling_params import SamplingError
 from tests.conftest import assert_no_leaks
 from tests.helpers import hf_logits
@@ -177,7 +177,7 @@ def test_invalid_requests_raise_errors_naming_the_problem(real_llm):
         engine.add_request("hi", SamplingParams(stop_token_ids=[10**6]))
     with pytest.raises(SamplingError, match=r"draft: \[-1\] are outside the vocabulary"):
         EngineRequest.checked("r", [5, 6], SamplingParams(), engine.hparams.vocab_size, engine.max_model_len,
-                              draft=[7, -1])
+                              RequestOptions(draft=(7, -1)))
     assert_no_leaks(engine)
 
 
@@ -187,10 +187,9 @@ def test_a_request_checked_at_the_edge_enters_the_core_as_it_is(real_llm):
     engine = real_llm.engine
     ids = real_llm.tokenizer.encode("The capital of France is")
     request = EngineRequest.checked("edge", ids, SamplingParams(temperature=0.0, max_tokens=5), engine.hparams.vocab_size,
-                                    engine.max_model_len, prompt="The capital of France is", tenant="acme",
-                                    priority=1)
-    assert (request.tenant, request.priority, request.draft, request.prompt) == (
-        "acme", 1, (), "The capital of France is")
+                                    engine.max_model_len,
+                                    RequestOptions(prompt="The capital of France is", tenant="acme", priority=1))
+    assert request.options == RequestOptions(prompt="The capital of France is", tenant="acme", priority=1)
     assert engine.add(request) == "edge"
     outputs = []
     while engine.has_unfinished_requests():

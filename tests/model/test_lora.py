@@ -13,22 +13,16 @@ import torch
 
 from brisk import LLM
 from brisk.model.lora import CONFIG_FILE, PROJECTIONS, LoRAAdapter, LoRAError, projection_shape
-from tests.conftest import build_tiny_checkpoint, load_hf_reference
+from tests.conftest import build_lora_adapter, build_tiny_checkpoint
 
 LINEAR = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
 def _peft_adapter(base: str, folder: str, architecture: str, **options):
-    """A random adapter (B not zero, as training leaves it) saved by PEFT; returns the merged model."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(1)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=LINEAR[architecture], init_lora_weights=False,
-                        lora_dropout=0.1, **options)
-    model = get_peft_model(load_hf_reference(base), config)
-    model.save_pretrained(folder)
-    return model.merge_and_unload()
+    """A random rank-4 adapter of every linear layer saved by PEFT; returns the merged model."""
+    return build_lora_adapter(base, folder, 1, r=4, lora_alpha=8, target_modules=LINEAR[architecture],
+                              lora_dropout=0.1, **options)
 
 
 def _hf_projection(merged, layer: int, projection: str, architecture: str) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_models_retrieve_returns_the_model_as_listed(client):
     retrieved = client.models.retrieve("smollm2")
     assert retrieved.model_dump() == listed.model_dump()
     assert retrieved.id == "smollm2" and retrieved.object == "model" and retrieved.owned_by == "brisk"
-    assert retrieved.model_extra == {"root": ROOT, "max_model_len": 2048}
+    assert retrieved.model_extra == {"root": ROOT, "parent": None, "max_model_len": 2048}
 
 
 @pytest.mark.parametrize("name", ["gpt-4o", ROOT, "smollm2/extra"])

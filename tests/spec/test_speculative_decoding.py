@@ -14,7 +14,7 @@ from brisk.assembly import build_engine
 from brisk.config import ConfigError, EngineConfig, SpeculativeConfig
 from brisk.sampling_params import SamplingError
 from brisk.engine.engine import LLMEngine
-from brisk.engine.request import EngineRequest, Request
+from brisk.engine.request import EngineRequest, Request, RequestOptions
 from brisk.spec.draft_model import DraftModelDrafter
 from brisk.spec.drafter import Drafter
 from brisk.spec.ngram import NgramDrafter
@@ -315,7 +315,7 @@ def test_a_draft_the_request_brings_is_verified_hundreds_of_tokens_at_a_time(tin
     draft = list(reference)
     draft[299] = (draft[299] + 1) % TINY_VOCAB  # the client's guess goes wrong at output position 299
     engine = LLM(tiny_dir, dtype="float32", max_model_len=512, speculative_config={"method": "ngram"}).engine
-    engine.add(EngineRequest.checked("edit", prompt, params, TINY_VOCAB, 512, draft=draft))
+    engine.add(EngineRequest.checked("edit", prompt, params, TINY_VOCAB, 512, RequestOptions(draft=draft)))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
@@ -332,7 +332,8 @@ def test_a_draft_the_request_brings_is_verified_hundreds_of_tokens_at_a_time(tin
 def test_an_engine_without_speculation_refuses_a_draft_rather_than_dropping_it(tiny_dir):
     engine = LLM(tiny_dir, dtype="float32", max_model_len=96).engine
     with pytest.raises(SamplingError, match="draft: needs speculative decoding"):
-        engine.add(EngineRequest.checked("edit", [5, 6], SamplingParams(max_tokens=4), TINY_VOCAB, 96, draft=[7, 8]))
+        engine.add(EngineRequest.checked("edit", [5, 6], SamplingParams(max_tokens=4), TINY_VOCAB, 96,
+                                         RequestOptions(draft=(7, 8))))
     assert_no_leaks(engine)
 
 

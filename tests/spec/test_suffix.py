@@ -14,7 +14,7 @@ import pytest
 from brisk import SamplingParams
 from brisk.bench.workloads import copy_prompts
 from brisk.config import ConfigError, SpeculativeConfig
-from brisk.engine.request import EngineRequest, Request, RequestStatus
+from brisk.engine.request import EngineRequest, Request, RequestOptions, RequestStatus
 from brisk.engine.step_hook import NoStepHook
 from brisk.spec.drafter import Drafter
 from brisk.spec.ngram import NgramDrafter
@@ -215,7 +215,7 @@ def test_one_tenants_answers_never_draft_for_another(default_llm, speculating):
 
     def ask(request_id: str, tenant: str):
         engine.add(EngineRequest.checked(request_id, prompt, params, engine.hparams.vocab_size, engine.max_model_len,
-                                         tenant=tenant))
+                                         RequestOptions(tenant=tenant)))
         while engine.has_unfinished_requests():
             outputs = [o for o in engine.step() if o.finished]
             if outputs:

@@ -15,18 +15,15 @@ The student is brisk's own LlamaForCausalLM under torch autograd (the C kernels 
 a gradient is wanted), trained with AdamW, a linear warmup and a cosine decay, and gradient
 clipping. The embedding, tied to the LM head on the default model, stays frozen by default: the
 student's last hidden state must land in the teacher's output space anyway, and the frozen head
-saves a fifth of each step. A run under a time budget times its first steps, then fixes its step
-count, so the schedule decays fully within the budget and a rerun with `--steps` set to that
-count repeats it exactly. Every few minutes the run saves its state and the student folder, and
-an interrupted run picks up where it stopped when started again with the same --out.
+saves a fifth of each step. The run's loop (a step count or a time budget, checkpoints, resuming
+with the same --out) is training/loop.py's.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -42,9 +39,9 @@ from brisk.model.loader import Checkpoint, load_model, open_checkpoint
 from brisk.model.sequences import forward_sequences
 from brisk.model.hparams import HParams
 from brisk.quant.checkpoint import save_weights
+from brisk.training import loop
 
 STATE_DIR = "distill"  # inside the student folder: the run's state and data
-_TIMED_STEPS = 3  # a budgeted run times this many steps, after a first one (allocations, warm caches: 2x slower)
 _CHOICE_SEQUENCES = 4  # training sequences that score each candidate choice of layers
 _WIDTH_SEQUENCES = 32  # training sequences, spread over corpus and answers, that rank channels and neurons
 
@@ -121,14 +118,10 @@ class DistillConfig:
 
 
 @dataclass
-class RunState:
-    """What a resumed run needs besides the student's weights."""
+class RunState(loop.Progress):
+    """What a resumed run needs besides the student's weights; losses: (total, KL, CE) of each step."""
 
-    layers: list[int]  # the teacher's, in the student
-    step: int
-    total_steps: int | None  # None until a budgeted run has timed its first steps
-    losses: list[tuple[float, float, float]]  # (total, KL, CE) of every step
-    train_seconds: float
+    layers: list[int] = field(default_factory=list)  # the teacher's, in the student
 
 
 @dataclass(frozen=True)
@@ -180,19 +173,10 @@ class Trainer:
         self.params = [p for p in student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.state = RunState([], 0, config.steps, [], 0.0)
+        self.state = RunState(total_steps=config.steps)
 
     def learning_rate(self, step: int) -> float:
-        """Linear warmup, then a cosine decay to zero at the last step (full peak while the step
-        count of a budgeted run is still unknown)."""
-        warmup = self.config.warmup_steps
-        if step < warmup:
-            return self.config.lr * (step + 1) / warmup
-        total = self.state.total_steps
-        if total is None:
-            return self.config.lr
-        progress = (step - warmup) / max(1, total - warmup)
-        return self.config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return loop.warmup_cosine(step, self.config.lr, self.config.warmup_steps, self.state.total_steps)
 
     def batch(self) -> list[int]:
         """Indices of this step's sequences: each an answer with probability chat_fraction
@@ -206,8 +190,8 @@ class Trainer:
             picks.append(offset + int(torch.randint(pool, (), generator=g)))
         return picks
 
-    def step(self) -> tuple[float, float, float]:
-        """One AdamW step on one batch: (loss, KL, CE)."""
+    def step(self) -> dict[str, float]:
+        """One AdamW step on one batch: its loss, KL and CE."""
         data, config = self.data, self.config
         picks = self.batch()
         sequences = [data.sequences[i] for i in picks]
@@ -229,10 +213,7 @@ class Trainer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm)
         self.optimizer.step()
-        self.state.step += 1
-        values = (loss.item(), kl.item(), ce.item())
-        self.state.losses.append(values)
-        return values
+        return {"loss": loss.item(), "kl": kl.item(), "ce": ce.item()}
 
     def save(self, path: str) -> None:
         """The run's state (weights, optimizer, batch generator, losses), written atomically."""
@@ -251,9 +232,7 @@ class Trainer:
         self.student.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.generator.set_state(saved["generator"])
-        state = saved["state"]
-        self.state = RunState(state["layers"], state["step"], state["total_steps"],
-                              [tuple(v) for v in state["losses"]], state["train_seconds"])
+        self.state = RunState(**{**saved["state"], "losses": [tuple(v) for v in saved["state"]["losses"]]})
 
 
 def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[str], None] = lambda _: None,
@@ -305,7 +284,8 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     log(f"student: teacher layers {layers}, hidden {student.hparams.hidden_size}, intermediate "
         f"{student.hparams.intermediate_size}, {_parameters(student.hparams) / 1e6:.1f}M parameters, "
         f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M trained")
-    _train(trainer, config, lambda: (trainer.save(state_path), _write_weights(student, out)), log, progress)
+    loop.run(trainer, config.budget_minutes, config.checkpoint_minutes,
+             lambda: (trainer.save(state_path), _write_weights(student, out)), log, progress)
     return DistillReport(layers, student.hparams.hidden_size, student.hparams.intermediate_size,
                          _parameters(student.hparams), _parameters(spec), trainer.state, data_seconds,
                          data.corpus_tokens, data.answer_tokens)
@@ -343,39 +323,6 @@ def _sample_loss(student: LlamaForCausalLM, data: teacher_data.TeacherData) -> f
     _, kl, _ = distillation_loss(logits, data.top_ids[positions], data.top_logprobs[positions],
                                  data.top_ids[positions, 0], 1.0, 1.0)
     return kl.item()
-
-
-def _train(trainer: Trainer, config: DistillConfig, save: Callable[[], None], log, progress: bool) -> None:
-    """Steps until the step count (fixed from the first steps' pace under a budget), saving every
-    checkpoint_minutes and when it stops, finished or not."""
-    from tqdm import tqdm
-
-    state = trainer.state
-    bar = tqdm(total=state.total_steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
-    last_save, first_step = time.perf_counter(), 0.0
-    try:
-        while state.total_steps is None or state.step < state.total_steps:
-            clock = time.perf_counter()
-            loss, kl, ce = trainer.step()
-            state.train_seconds += time.perf_counter() - clock
-            if state.step == 1:
-                first_step = state.train_seconds
-            if state.total_steps is None and state.step >= _TIMED_STEPS + 1:
-                pace = (state.train_seconds - first_step) / (state.step - 1)
-                state.total_steps = max(state.step, int(config.budget_minutes * 60 / pace))
-                bar.reset(total=state.total_steps)
-                bar.update(state.step)
-                log(f"{pace:.1f} s a step: {state.total_steps} steps fit {config.budget_minutes:g} minutes")
-            else:
-                bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", kl=f"{kl:.3f}", ce=f"{ce:.3f}",
-                            lr=f"{trainer.learning_rate(state.step):.1e}")
-            if time.perf_counter() - last_save > config.checkpoint_minutes * 60:
-                save()
-                last_save = time.perf_counter()
-    finally:  # Ctrl-C included: the next run with the same --out resumes from here
-        bar.close()
-        save()
 
 
 def _write_weights(student: LlamaForCausalLM, out: str) -> None:
