@@ -74,14 +74,18 @@ def build_tiny_checkpoint(folder: str, architecture: str) -> str:
     return folder
 
 
-def build_lora_adapter(base: str, folder: str, seed: int, **options):
-    """A random LoRA adapter of the HF model in `base` (B not zero, as training leaves it), saved
-    by PEFT in `folder` with LoraConfig(**options); returns the base model with it merged
-    (PEFT's merge_and_unload): the reference an adapter's outputs are held to."""
+def build_lora_adapter(base: str, folder: str, seed: int, b_scale: float = 1.0, **options):
+    """A random LoRA adapter of the HF model in `base` (B not zero, as training leaves it; its
+    values times b_scale), saved by PEFT in `folder` with LoraConfig(**options); returns the base
+    model with it merged (PEFT's merge_and_unload): the reference an adapter's outputs are held to."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     model = get_peft_model(load_hf_reference(base), LoraConfig(init_lora_weights=False, **options))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(b_scale)
     model.save_pretrained(folder)
     return model.merge_and_unload().eval()
 

@@ -235,7 +235,7 @@ class LLMEngine:
         if first is not None:
             t = first.times
             self._log(IterationStats(finished=[FinishedRequestStats.at(
-                "abort", now, t.arrival, t.first_scheduled, first.num_prompt_tokens)]))
+                "abort", now, t.arrival, t.first_scheduled, first.num_prompt_tokens, first.adapter)]))
         return output
 
     @property
@@ -280,6 +280,8 @@ class LLMEngine:
             kv_cache_usage=kv.usage, num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks,
             num_cached_blocks=kv.num_cached_blocks, prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits, prefix_cache_evictions=kv.stats.evictions,
+            running_adapters=_adapters_of(self.scheduler.running) if self.adapters is not None else (),
+            waiting_adapters=_adapters_of(self.scheduler.waiting) if self.adapters is not None else (),
         )
 
     def _log(self, iteration: IterationStats) -> None:
@@ -289,9 +291,16 @@ class LLMEngine:
                 logger.record(snapshot, iteration)
 
 
+def _adapters_of(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.adapter for r in requests if r.adapter is not None}))
+
+
 def _record_progress(progress: Progress, now: float, iteration: IterationStats) -> None:
     request, times = progress.request, progress.request.times
     iteration.num_generation_tokens += progress.num_new_tokens
+    if request.adapter is not None:
+        by_adapter = iteration.generation_tokens_by_adapter
+        by_adapter[request.adapter] = by_adapter.get(request.adapter, 0) + progress.num_new_tokens
     if progress.num_draft_tokens:
         iteration.spec.observe(progress.num_draft_tokens, progress.num_accepted_tokens, progress.draft_source)
     if times.first_token is None:
@@ -308,4 +317,4 @@ def _finished_stats(output: RequestOutput) -> FinishedRequestStats:
     m = output.metrics
     reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
     return FinishedRequestStats.at(reasons[0] if reasons else "stop", m.finished_time, m.arrival_time,
-                                   m.first_scheduled_time, len(output.prompt_token_ids))
+                                   m.first_scheduled_time, len(output.prompt_token_ids), output.adapter)

@@ -52,6 +52,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    adapter: str | None = None  # the LoRA adapter it ran with
 
 
 def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -236,6 +237,7 @@ class OutputProcessor:
             metrics=RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.last_token,
                                    now if state.finished else None, _spec_stats(state.children.values())),
             num_cached_tokens=first.num_cached_tokens,
+            adapter=first.adapter,
         )
 
     def _completion(self, state: _RequestState, seq: _Sequence, delta: bool) -> CompletionOutput | None:

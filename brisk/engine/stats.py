@@ -19,12 +19,13 @@ class FinishedRequestStats:
     e2e_latency: float  # arrival -> finished, seconds
     queue_time: float | None  # arrival -> first scheduled; None if it never ran
     num_prompt_tokens: int
+    adapter: str | None = None  # its LoRA adapter
 
     @classmethod
     def at(cls, finish_reason: str, finished: float, arrival: float, first_scheduled: float | None,
-           num_prompt_tokens: int) -> "FinishedRequestStats":
+           num_prompt_tokens: int, adapter: str | None = None) -> "FinishedRequestStats":
         return cls(finish_reason, finished - arrival, None if first_scheduled is None else first_scheduled - arrival,
-                   num_prompt_tokens)
+                   num_prompt_tokens, adapter)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class IterationStats:
     num_batched_tokens: int = 0
     num_prompt_tokens: int = 0  # prompts of requests that produced their first token this step
     num_generation_tokens: int = 0
+    generation_tokens_by_adapter: dict[str, int] = field(default_factory=dict)  # of those, LoRA adapters'
     num_preemptions: int = 0
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     time_to_first_tokens: list[float] = field(default_factory=list)
@@ -86,6 +88,8 @@ class EngineSnapshot:
     prefix_cache_queries: int  # tokens looked up, cumulative
     prefix_cache_hits: int  # tokens served from cache, cumulative
     prefix_cache_evictions: int
+    running_adapters: tuple[str, ...] = ()  # LoRA adapters of the running requests
+    waiting_adapters: tuple[str, ...] = ()  # and of the waiting ones
 
 
 def combined_snapshot(live: Sequence[EngineSnapshot], ever: Sequence[EngineSnapshot]) -> EngineSnapshot:
@@ -100,7 +104,9 @@ def combined_snapshot(live: Sequence[EngineSnapshot], ever: Sequence[EngineSnaps
         num_cached_blocks=sum(s.num_cached_blocks for s in live),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in ever),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in ever),
-        prefix_cache_evictions=sum(s.prefix_cache_evictions for s in ever))
+        prefix_cache_evictions=sum(s.prefix_cache_evictions for s in ever),
+        running_adapters=tuple(sorted({a for s in live for a in s.running_adapters})),
+        waiting_adapters=tuple(sorted({a for s in live for a in s.waiting_adapters})))
 
 
 class StatLogger(Protocol):

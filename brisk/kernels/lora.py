@@ -6,8 +6,8 @@ every row, as without adapters; then each adapter's update is added to its own r
     y[i] += B (A x[i])          for each row i of the adapter's segment
 
 in two halves, as Punica's SGMV does on GPUs: the shrink (t = A x, a few numbers per row, each
-row of A read once for the whole segment) and the expand (y += B t, each row of B read once per
-segment). The rows of the step are grouped by adapter once (LoRABatch.of), so every projection
+row of A read once for the whole segment) and the expand (y += B t, B kept transposed and each of
+its columns read once per segment). The rows of the step are grouped by adapter once (LoRABatch.of), so every projection
 of every layer reads each adapter's A and B once per step, whatever its number of rows.
 
 An adapter's update of one of the model's fused projections (q/k/v, gate/up) is one A, its
@@ -34,15 +34,20 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 @dataclass(frozen=True)
 class LoRAPiece:
-    """One adapted module's B inside a fused projection."""
+    """One adapted module's B inside a fused projection, kept transposed: the expand adds t[i, r]
+    times row r of B^T, a contiguous run along the outputs (lora.h)."""
 
-    first_row: int  # the projection's row its first row adds to
+    first_row: int  # the projection's output its first row of B adds to
     first_rank: int  # where its columns of t start (its A's rows in the stacked A)
-    b: torch.Tensor  # [rows, rank], the scaling folded in
+    bt: torch.Tensor  # B^T, [rank, rows], the scaling folded in
 
     @property
     def rank(self) -> int:
-        return self.b.shape[1]
+        return self.bt.shape[0]
+
+    @property
+    def rows(self) -> int:
+        return self.bt.shape[1]
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class LoRAProjection:
 
 
 class _Piece(ctypes.Structure):  # struct lora_piece, lora.h
-    _fields_ = [("first_row", _I64), ("rows", _I64), ("first_rank", _I64), ("rank", _I64), ("b", _PTR)]
+    _fields_ = [("first_row", _I64), ("rows", _I64), ("first_rank", _I64), ("rank", _I64), ("bt", _PTR)]
 
 
 class _Projection(ctypes.Structure):  # struct lora_projection
@@ -79,7 +84,7 @@ class AdapterWeights:
     def __init__(self, num_layers: int, projections: dict[tuple[int, str], LoRAProjection]):
         self.num_layers = num_layers
         self.projections = projections
-        tensors = [t for p in projections.values() for t in (p.a, *(piece.b for piece in p.pieces))]
+        tensors = [t for p in projections.values() for t in (p.a, *(piece.bt for piece in p.pieces))]
         self.dtype = tensors[0].dtype if tensors else torch.float32
         self.device = tensors[0].device if tensors else torch.device("cpu")
         if any(t.dtype != self.dtype or t.device != self.device or not t.is_contiguous() for t in tensors):
@@ -90,7 +95,7 @@ class AdapterWeights:
         self._table = self._pieces = None
         if self.device.type == "cpu":
             self._pieces = [(_Piece * len(p.pieces))(*(
-                _Piece(piece.first_row, piece.b.shape[0], piece.first_rank, piece.rank, piece.b.data_ptr())
+                _Piece(piece.first_row, piece.rows, piece.first_rank, piece.rank, piece.bt.data_ptr())
                 for piece in p.pieces)) for p in projections.values()]
             pieces = dict(zip(projections, self._pieces))
             self._table = (_Projection * (num_layers * len(PROJECTIONS)))()
@@ -177,6 +182,6 @@ def lora_add_torch(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int
             continue
         t = x[rows].float() @ update.a.float().t()
         for piece in update.pieces:
-            cols = slice(piece.first_row, piece.first_row + piece.b.shape[0])
-            delta = t[:, piece.first_rank:piece.first_rank + piece.rank] @ piece.b.float().t()
+            cols = slice(piece.first_row, piece.first_row + piece.rows)
+            delta = t[:, piece.first_rank:piece.first_rank + piece.rank] @ piece.bt.float()
             y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)

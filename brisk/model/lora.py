@@ -144,7 +144,7 @@ class LoRAAdapter:
             convert = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
             pieces, first_rank = [], 0
             for shard in shards:
-                pieces.append(kernel_lora.LoRAPiece(shard.first_row, first_rank, convert(shard.b)))
+                pieces.append(kernel_lora.LoRAPiece(shard.first_row, first_rank, convert(shard.b.t())))
                 first_rank += shard.a.shape[0]
             projections[(layer, _KERNEL_NAMES[projection])] = kernel_lora.LoRAProjection(
                 convert(torch.cat([shard.a for shard in shards])), tuple(pieces))

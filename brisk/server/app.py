@@ -60,7 +60,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     shutting the app down stops the engine; the app always closes the response cache."""
     config = config or ServerConfig()
     model_names = config.served_model_name or [engine.model_info.name]
-    metrics = PrometheusStatLogger(model_names[0])
+    metrics = PrometheusStatLogger(model_names[0], engine.model_info.max_loras)
     engine.add_stat_logger(metrics)
     live = LiveStats()
     engine.add_stat_logger(live)

@@ -7,6 +7,7 @@ counted, so each figure comes from the event itself. The registry is per server,
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -25,7 +26,7 @@ _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9)
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_loras: int | None = None):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         r = self.registry
@@ -68,6 +69,18 @@ class PrometheusStatLogger:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.batch_size = histogram("iteration_batch_size", "Sequences advanced per engine step.", _BATCH_BUCKETS)
+        # LoRA adapters (vLLM's lora_requests_info: the adapters of the running and waiting requests
+        # as labels, the time of the update as the value), and each adapter's own counts
+        self._max_loras = max_loras
+        self._lora_info = Gauge("brisk:lora_requests_info", "LoRA adapters of the running and waiting requests "
+                                "(labels); the value is when they were last updated.",
+                                labelnames=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                                registry=r) if max_loras is not None else None
+        self._lora_adapters: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self._lora_tokens = Counter("brisk:lora_generation_tokens", "Tokens generated, by LoRA adapter.",
+                                    labelnames=[*labels, "lora_name"], registry=r)
+        self._lora_success = Counter("brisk:lora_request_success", "Finished requests by LoRA adapter and finish "
+                                     "reason.", labelnames=[*labels, "lora_name", "finished_reason"], registry=r)
         self._prefix_seen = (0, 0)  # cumulative (queries, hits) at the last record
         # The embedding model's dynamic batcher (record_embedding_batch)
         self.embedding_inputs = counter("embedding_inputs", "Embedding inputs answered (failed ones included).")
@@ -173,11 +186,27 @@ class PrometheusStatLogger:
             self.ttft.observe(value)
         for value in iteration.inter_token_latencies:
             self.itl.observe(value)
+        self._record_adapters(snapshot, iteration)
         for finished in iteration.finished:
             self._success.labels(**self._labels, finished_reason=finished.finish_reason).inc()
             self.e2e.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue.observe(finished.queue_time)
+
+    def _record_adapters(self, snapshot: EngineSnapshot, iteration: IterationStats) -> None:
+        for adapter, tokens in iteration.generation_tokens_by_adapter.items():
+            self._lora_tokens.labels(**self._labels, lora_name=adapter).inc(tokens)
+        for finished in iteration.finished:
+            if finished.adapter is not None:
+                self._lora_success.labels(**self._labels, lora_name=finished.adapter,
+                                          finished_reason=finished.finish_reason).inc()
+        adapters = (snapshot.running_adapters, snapshot.waiting_adapters)
+        if self._lora_info is not None and adapters != self._lora_adapters:
+            if self._lora_adapters is not None:  # one series: the latest sets of adapters
+                self._lora_info.remove(*self._labels.values(), str(self._max_loras), *map(",".join, self._lora_adapters))
+            self._lora_info.labels(**self._labels, max_lora=str(self._max_loras), running_lora_adapters=",".join(adapters[0]),
+                                   waiting_lora_adapters=",".join(adapters[1])).set(time.time())
+            self._lora_adapters = adapters
 
     def record_embedding_batch(self, batch: BatchRecord) -> None:
         self.embedding_inputs.inc(batch.size)

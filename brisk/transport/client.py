@@ -66,7 +66,7 @@ class ModelInfo:
     # answer is never served by a server whose model or settings would have answered differently.
     identity: str = ""
     verifies_drafts: bool = False  # a request may bring a draft to verify (speculative decoding is on)
-    enable_lora: bool = False  # LoRA adapters may be loaded and asked for
+    max_loras: int | None = None  # with LoRA on (enable_lora): adapters one batch may mix; None: LoRA off
     adapters: tuple[AdapterInfo, ...] = ()  # those loaded when the engine started (lora_modules)
 
     @classmethod
@@ -87,7 +87,7 @@ class ModelInfo:
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, identity=_identity(engine),
-            verifies_drafts=engine.step_hook.verifies_supplied_drafts, enable_lora=engine.adapters is not None,
+            verifies_drafts=engine.step_hook.verifies_supplied_drafts, max_loras=config.max_loras if engine.adapters is not None else None,
             adapters=tuple(engine.adapters.infos.values()) if engine.adapters is not None else (),
         )
 

@@ -21,7 +21,7 @@ def _adapter(rank: int, dtype: torch.dtype, seed: int, modules=(0, 1, 2)) -> Ada
     """An adapter of layer 1's q/k/v (the pieces `modules` of it), rank `rank` per module."""
     generator = torch.Generator().manual_seed(seed)
     firsts = [sum(PIECES[:i]) for i in range(len(PIECES))]
-    pieces = tuple(LoRAPiece(firsts[m], i * rank, torch.randn(PIECES[m], rank, generator=generator).to(dtype))
+    pieces = tuple(LoRAPiece(firsts[m], i * rank, torch.randn(rank, PIECES[m], generator=generator).to(dtype))
                    for i, m in enumerate(modules))
     a = torch.randn(rank * len(modules), COLS, generator=generator).to(dtype)
     return AdapterWeights(2, {(1, "qkv"): LoRAProjection(a, pieces)})
@@ -36,8 +36,8 @@ def _expected(y: torch.Tensor, x: torch.Tensor, rows: list[AdapterWeights | None
         update = adapter.get(1, "qkv")
         t = update.a.double() @ x[i].double()
         for piece in update.pieces:
-            out[i, piece.first_row:piece.first_row + piece.b.shape[0]] += \
-                piece.b.double() @ t[piece.first_rank:piece.first_rank + piece.rank]
+            out[i, piece.first_row:piece.first_row + piece.rows] += \
+                piece.bt.double().t() @ t[piece.first_rank:piece.first_rank + piece.rank]
     return out
 
 

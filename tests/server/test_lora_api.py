@@ -16,6 +16,7 @@ from brisk.cache.response_cache import ResponseCache
 from brisk.cache.sqlite_store import SQLiteStore
 from brisk.config import EngineConfig, ResponseCacheConfig
 from tests.conftest import build_lora_adapter, build_tiny_checkpoint
+from tests.helpers import metric_values
 from tests.server.conftest import running_server
 
 PROMPT = [5, 17, 33, 9, 41, 12, 7]
@@ -87,6 +88,10 @@ def test_adapters_are_models_picked_by_the_model_field(folders, expected, engine
             assert admin.post("/v1/load_lora_adapter",
                               json={"lora_name": "tiny", "lora_path": folders["mlp"]}).status_code == 400
 
+            metrics = admin.get("/metrics").text
+            assert metric_values(metrics)['brisk:lora_generation_tokens_total{lora_name="mlp"}'] == 8
+            assert metric_values(metrics)['brisk:lora_request_success_total{finished_reason="length",lora_name="qv"}'] == 1
+            assert 'max_lora="16"' in metrics and "brisk:lora_requests_info" in metrics
             assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
             with pytest.raises(openai.NotFoundError):
                 _answer(client, "mlp")
