@@ -39,11 +39,13 @@ logger = logging.getLogger("brisk.engine")
 class LoRARequest:
     """A request's adapter, as vLLM's LoRARequest names it: the adapter's name, an id (vLLM's
     key for it; brisk keys on the name and keeps the id for scripts that pass one) and the
-    folder it is loaded from the first time the name is seen."""
+    folder (or llama.cpp LoRA GGUF file) it is loaded from the first time the name is seen;
+    and, as llama.cpp's server allows, a scale of its update for this request."""
 
     lora_name: str
     lora_int_id: int = 0
     lora_path: str | None = None
+    scale: float = 1.0
 
 
 class AdapterNotFound(LoRAError):

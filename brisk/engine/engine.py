@@ -145,8 +145,9 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         if lora_request is not None and lora_request.lora_path is not None:
             self.load_adapter(lora_request.lora_name, lora_request.lora_path)
-        options = RequestOptions(prompt=text, cache_salt=cache_salt,
-                                 adapter=lora_request.lora_name if lora_request is not None else None)
+        options = RequestOptions(prompt=text, cache_salt=cache_salt)
+        if lora_request is not None:
+            options = replace(options, adapter=lora_request.lora_name, lora_scale=lora_request.scale)
         request = EngineRequest.checked(request_id if request_id is not None else str(next(self._ids)), token_ids,
                                         params, self.hparams.vocab_size, self.max_model_len, options, arrival_time)
         return self.add(request)
@@ -185,6 +186,7 @@ class LLMEngine:
                 cache_salt=options.cache_salt,
                 adapter=options.adapter,
                 lora=lora,
+                lora_scale=options.lora_scale,
                 tenant=options.tenant or "default",
                 priority=options.priority,
                 child_index=i,

@@ -9,7 +9,9 @@ a decode and a recompute after preemption are all the same operation.
 from __future__ import annotations
 
 import enum
+import math
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
 from brisk.engine.stats import SpecDecodeStats
@@ -36,11 +38,13 @@ def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: i
     return params.validate_for_model(vocab_size)
 
 
-def prefix_salt(cache_salt: str | None, adapter: str | None) -> str | tuple[str | None, str] | None:
+def prefix_salt(cache_salt: str | None, adapter: str | None, lora_scale: float = 1.0) -> Hashable:
     """What a request's prefix-cache entries are keyed on beside its tokens: its cache salt, and
-    its LoRA adapter (whose K/V differs from the base model's and every other adapter's). The
-    engine's blocks and the Ray router's prefix key both use it."""
-    return cache_salt if adapter is None else (cache_salt, adapter)
+    its LoRA adapter and that adapter's scale (K/V differs from the base model's and every other
+    adapter's). The engine's blocks and the Ray router's prefix key both use it."""
+    if adapter is None:
+        return cache_salt
+    return (cache_salt, adapter) if lora_scale == 1.0 else (cache_salt, adapter, lora_scale)
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,12 @@ class RequestOptions:
     tenant: str | None = None
     priority: int = 0
     adapter: str | None = None
+    lora_scale: float = 1.0  # the adapter's update times this (llama.cpp's per-request scale)
     draft: tuple[int, ...] = ()
 
     @property
-    def prefix_salt(self):
-        return prefix_salt(self.cache_salt, self.adapter)
+    def prefix_salt(self) -> Hashable:
+        return prefix_salt(self.cache_salt, self.adapter, self.lora_scale)
 
 
 NO_OPTIONS = RequestOptions()
@@ -89,6 +94,10 @@ class EngineRequest:
         bad = [t for t in options.draft if not 0 <= t < vocab_size]
         if bad:
             raise SamplingError("draft", f"{bad[:5]} are outside the vocabulary of {vocab_size}")
+        if options.lora_scale != 1.0 and options.adapter is None:
+            raise SamplingError("lora_scale", "scales a LoRA adapter's update: name an adapter")
+        if not math.isfinite(options.lora_scale):
+            raise SamplingError("lora_scale", f"must be a finite number, got {options.lora_scale!r}")
         options = replace(options, draft=tuple(options.draft))
         return cls(request_id, list(prompt_token_ids), params, options,
                    arrival_time if arrival_time is not None else time.monotonic())
@@ -129,6 +138,7 @@ class Request:
     cache_salt: str | None = None  # isolates prefix-cache entries (e.g. per tenant)
     adapter: str | None = None  # the LoRA adapter it runs with (engine/adapters.py), by name
     lora: AdapterWeights | None = None  # and its weights, held until the request finishes
+    lora_scale: float = 1.0  # and the scale of their update
     tenant: str = "default"  # whose share of the batch it runs in (engine/waiting.py: the fair policy)
     priority: int = 0  # lower runs sooner (the priority policy; within a tenant, the fair one)
     child_index: int = 0  # which of the user request's n sequences this is
@@ -181,8 +191,8 @@ class Request:
                 and self.num_output_tokens >= p.min_tokens)
 
     @property
-    def prefix_salt(self) -> str | tuple[str | None, str] | None:
-        return prefix_salt(self.cache_salt, self.adapter)
+    def prefix_salt(self) -> Hashable:
+        return prefix_salt(self.cache_salt, self.adapter, self.lora_scale)
 
     @property
     def may_reuse_prefix(self) -> bool:

@@ -4,8 +4,9 @@
  *     t[i] = A x[i]             shrink: each row of A read once per adapter, dotted with its rows
  *     y[i] += B t[i]            expand: each column of B read once per adapter, for its rows
  *
- * for every row i of each adapter's segment (rows[starts[a] .. starts[a + 1]]); rows of the base
- * model are in no segment and left alone. A fused projection's update has one A (its modules'
+ * for every row i of each adapter's segment (rows[starts[a] .. starts[a + 1]]), t times the
+ * segment's scale (1 but where a request scales its adapter, as llama.cpp's server lets it); rows
+ * of the base model are in no segment and left alone. A fused projection's update has one A (its modules'
  * stacked, R rows) and one B per module (a piece: the rows of y it adds to, its columns of t).
  * Adapters are float32 or bfloat16 (the batch says which), activations float32.
  *
@@ -41,6 +42,7 @@ struct lora_batch {
     int64_t bf16;              /* the adapters' element type: bfloat16, else float32 */
     const int64_t *rows;       /* the step's rows of adapters, grouped by adapter */
     const int64_t *starts;     /* [num_adapters + 1] */
+    const float *scales;       /* [num_adapters]: a request's own scale of its adapter's update */
     const struct lora_projection **adapters; /* each: [num_layers * LORA_PROJECTIONS] */
 };
 
@@ -87,12 +89,12 @@ struct lora_batch {
             const int64_t first = batch->starts[a] + 4 * s, last = batch->starts[a + 1];                  \
             const int64_t count = last - first < 4 ? last - first : 4;                                    \
             const int64_t j_end = (chunk + 1) * LORA_RANKS < p->rank ? (chunk + 1) * LORA_RANKS : p->rank; \
-            const float *xs[4];                                                                           \
+            const float *xs[4], scale = batch->scales[a];                                                 \
             for (int64_t q = 0; q < 4; q++) xs[q] = x + batch->rows[first + (q < count ? q : 0)] * k;     \
             for (int64_t j = chunk * LORA_RANKS; j < j_end; j++) {                                        \
                 float sums[4];                                                                            \
                 lora_shrink4_##SUFFIX((const T *)p->a + j * k, xs, k, sums);                              \
-                for (int64_t q = 0; q < count; q++) t[batch->rows[first + q] * R + j] = sums[q];          \
+                for (int64_t q = 0; q < count; q++) t[batch->rows[first + q] * R + j] = sums[q] * scale;  \
             }                                                                                             \
         }                                                                                                 \
         /* expand: a task is a block of outputs for every row; four of B^T's rows at a time */          \

@@ -72,7 +72,7 @@ class _Projection(ctypes.Structure):  # struct lora_projection
 
 class _Batch(ctypes.Structure):  # struct lora_batch
     _fields_ = [("num_adapters", _I64), ("max_rank", _I64), ("bf16", _I64), ("rows", _PTR), ("starts", _PTR),
-                ("adapters", ctypes.POINTER(ctypes.POINTER(_Projection)))]
+                ("scales", _PTR), ("adapters", ctypes.POINTER(ctypes.POINTER(_Projection)))]
 
 
 class AdapterWeights:
@@ -118,32 +118,30 @@ class AdapterWeights:
 @dataclass
 class LoRABatch:
     """The adapters of one step's rows: `adapters[a]`'s rows are rows[starts[a]:starts[a + 1]]
-    (indices into the step's flat token batch); rows of the base model are in no segment."""
+    (indices into the step's flat token batch), its update times scales[a]; rows of the base model
+    are in no segment. An adapter two requests scale differently has a segment per scale."""
 
     adapters: list[AdapterWeights]
+    scales: list[float]
     rows: torch.Tensor  # int64, grouped by adapter
     starts: list[int]  # [len(adapters) + 1]
     _struct: _Batch | None = None
     _keep: tuple = ()
 
     @classmethod
-    def of(cls, row_adapters: list[AdapterWeights | None], device: torch.device) -> LoRABatch | None:
-        """The batch for one adapter (or None) per row; None when no row has one."""
-        adapters: list[AdapterWeights] = []
-        members: dict[int, list[int]] = {}
-        for row, adapter in enumerate(row_adapters):
-            if adapter is not None:
-                if id(adapter) not in members:
-                    adapters.append(adapter)
-                members.setdefault(id(adapter), []).append(row)
-        if not adapters:
+    def of(cls, row_adapters: list[tuple[AdapterWeights, float] | None], device: torch.device) -> LoRABatch | None:
+        """The batch for one (adapter, scale) or None per row; None when no row has an adapter."""
+        members: dict[tuple[int, float], tuple[AdapterWeights, list[int]]] = {}
+        for row, use in enumerate(row_adapters):
+            if use is not None:
+                members.setdefault((id(use[0]), use[1]), (use[0], []))[1].append(row)
+        if not members:
             return None
-        segments = [members[id(a)] for a in adapters]
         starts = [0]
-        for segment in segments:
+        for _, segment in members.values():
             starts.append(starts[-1] + len(segment))
-        rows = torch.tensor([r for segment in segments for r in segment], dtype=torch.long, device=device)
-        return cls(adapters, rows, starts)
+        rows = torch.tensor([r for _, segment in members.values() for r in segment], dtype=torch.long, device=device)
+        return cls([adapter for adapter, _ in members.values()], [scale for _, scale in members], rows, starts)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,29 +156,30 @@ class LoRABatch:
         return any(a.requires_grad for a in self.adapters)
 
     def segments(self):
-        """(adapter, its rows) for each adapter of the step."""
+        """(adapter, scale, its rows) for each segment of the step."""
         for i, adapter in enumerate(self.adapters):
-            yield adapter, self.rows[self.starts[i]:self.starts[i + 1]]
+            yield adapter, self.scales[i], self.rows[self.starts[i]:self.starts[i + 1]]
 
     def struct(self) -> _Batch:
         """struct lora_batch for the C kernels, built once per step."""
         if self._struct is None:
             starts = torch.tensor(self.starts, dtype=torch.long)
+            scales = torch.tensor(self.scales, dtype=torch.float32)
             tables = (ctypes.POINTER(_Projection) * len(self.adapters))(
                 *(ctypes.cast(a.table, ctypes.POINTER(_Projection)) for a in self.adapters))
-            self._keep = (starts, tables)
+            self._keep = (starts, scales, tables)
             self._struct = _Batch(len(self.adapters), self.max_rank, self.dtype == torch.bfloat16, self.rows.data_ptr(),
-                                  starts.data_ptr(), tables)
+                                  starts.data_ptr(), scales.data_ptr(), tables)
         return self._struct
 
 
 def lora_add_torch(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str) -> None:
     """y[rows] += B (A x[rows]) for each adapter's rows, in float32 (the reference of the kernels)."""
-    for adapter, rows in lora.segments():
+    for adapter, scale, rows in lora.segments():
         update = adapter.get(layer, projection)
         if update is None:
             continue
-        t = x[rows].float() @ update.a.float().t()
+        t = (x[rows].float() @ update.a.float().t()) * scale
         for piece in update.pieces:
             cols = slice(piece.first_row, piece.first_row + piece.rows)
             delta = t[:, piece.first_rank:piece.first_rank + piece.rank] @ piece.bt.float()

@@ -200,6 +200,42 @@ class GGUFCheckpoint:
         return gguf_tokenizer(self.file.fields)
 
 
+@dataclass(frozen=True)
+class GGUFLoRA:
+    """A LoRA adapter as llama.cpp writes it (convert_lora_to_gguf.py): `general.type` adapter,
+    `adapter.type` lora, `adapter.lora.alpha`, and per adapted weight `<tensor>.lora_a` [r, in] and
+    `<tensor>.lora_b` [out, r]."""
+
+    architecture: str  # the base's family
+    alpha: float  # 0: llama.cpp then scales by 1, not alpha / r
+    halves: dict[str, dict[str, torch.Tensor]]  # HF module name -> {"A": [r, in], "B": [out, r]}, float32
+
+
+def read_lora(path: str, num_heads: int, num_kv_heads: int) -> GGUFLoRA:
+    """The adapter in a LoRA GGUF, its tensors under HF names in HF's layout (q and k's B rows out
+    of llama.cpp's rotary order, as the base's weights are: num_heads, num_kv_heads are the base's)."""
+    file = GGUFFile(path)
+    kind = (file.fields.get("general.type"), file.fields.get("adapter.type"))
+    if kind != ("adapter", "lora"):
+        raise ValueError(f"{path} is not a LoRA adapter (general.type {kind[0]!r}, adapter.type {kind[1]!r})")
+    architecture = gguf_architecture(file.fields.get("general.architecture"))
+    renames = dict(architecture.gguf_layer_names)
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in file.tensors.items():
+        stem, _, half = name.rpartition(".")
+        if half not in ("lora_a", "lora_b"):
+            raise ValueError(f"{path}: tensor {name!r} is not a LoRA A or B matrix (brisk applies LoRA updates only)")
+        value = dequantize(tensor)
+        if half == "lora_b" and architecture.gguf_interleaved_rope and stem.endswith(("attn_q.weight", "attn_k.weight")):
+            value = _undo_rope_permutation(value, num_heads if "attn_q" in stem else num_kv_heads)
+        try:
+            module = _hf_name(stem, renames).removesuffix(".weight")
+        except KeyError:
+            raise ValueError(f"{path}: tensor {name!r} adapts no weight brisk knows") from None
+        halves.setdefault(module, {})["A" if half == "lora_a" else "B"] = value
+    return GGUFLoRA(architecture.family, float(file.fields.get("adapter.lora.alpha", 0.0)), halves)
+
+
 def _hf_name(gguf_name: str, renames: dict[str, str]) -> str:
     """renames: the family's own meanings of layer tensor names (Architecture.gguf_layer_names)."""
     stem, _, suffix = gguf_name.rpartition(".")

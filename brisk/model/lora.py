@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from brisk.kernels import lora as kernel_lora
+from brisk.model.gguf_file import read_lora
 from brisk.sampling_params import SamplingError
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+GGUF_SUFFIX = ".gguf"  # llama.cpp's LoRA files (model/gguf_file.py: read_lora)
 # The projections an adapter may update, as our model names them (the kernels' names in the same order)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _KERNEL_NAMES = dict(zip(PROJECTIONS, kernel_lora.PROJECTIONS))
@@ -112,20 +114,15 @@ class LoRAAdapter:
 
     @classmethod
     def load(cls, name: str, path: str, model: LlamaForCausalLM) -> LoRAAdapter:
-        """The PEFT adapter in folder `path`, checked against `model`'s shapes."""
-        config = LoRAConfig.from_peft(_read_config(path))
-        weights = os.path.join(path, WEIGHTS_FILE)
-        if not os.path.isfile(weights):
-            raise LoRAError(WEIGHTS_FILE, f"not found in {path} (brisk reads safetensors adapters only)")
-        halves: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in load_file(weights).items():
-            match = _TENSOR.match(key)
-            if match is None:  # lora_embedding_A, lora_magnitude_vector (DoRA), a bias...
-                raise LoRAError(WEIGHTS_FILE, f"tensor {key!r} is not a LoRA A or B matrix of a linear layer")
-            halves.setdefault(match["module"], {})[match["half"]] = tensor.float()
+        """The PEFT adapter in folder `path` (or llama.cpp's LoRA GGUF file), checked against
+        `model`'s shapes."""
+        if path.endswith(GGUF_SUFFIX) and os.path.isfile(path):
+            config, halves = _read_gguf(path, model)
+        else:
+            config, halves = LoRAConfig.from_peft(_read_config(path)), _read_peft(path)
         shards = [_shard(module, pair, config, model) for module, pair in sorted(halves.items())]
         if not shards:
-            raise LoRAError(WEIGHTS_FILE, f"no LoRA weights in {weights}")
+            raise LoRAError(WEIGHTS_FILE, f"no LoRA weights in {path}")
         return cls(name, path, config, tuple(shards))
 
     @property
@@ -167,6 +164,37 @@ def projection_shape(model: LlamaForCausalLM, projection: str) -> tuple[int, int
     return {"self_attn.qkv_proj": (q + 2 * s.num_kv_heads * s.head_dim, s.hidden_size),
             "self_attn.o_proj": (s.hidden_size, q), "mlp.gate_up_proj": (2 * s.intermediate_size, s.hidden_size),
             "mlp.down_proj": (s.hidden_size, s.intermediate_size)}[projection]
+
+
+def _read_peft(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """PEFT's tensors by module: {"A": lora_A, "B": lora_B}, float32."""
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        raise LoRAError(WEIGHTS_FILE, f"not found in {path} (brisk reads safetensors adapters only)")
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(weights).items():
+        match = _TENSOR.match(key)
+        if match is None:  # lora_embedding_A, lora_magnitude_vector (DoRA), a bias...
+            raise LoRAError(WEIGHTS_FILE, f"tensor {key!r} is not a LoRA A or B matrix of a linear layer")
+        halves.setdefault(match["module"], {})[match["half"]] = tensor.float()
+    return halves
+
+
+def _read_gguf(path: str, model: LlamaForCausalLM) -> tuple[LoRAConfig, dict[str, dict[str, torch.Tensor]]]:
+    """llama.cpp's LoRA GGUF: its rank from the tensors, its scale as llama.cpp takes it (alpha / r,
+    or 1 where the file gives no alpha)."""
+    spec = model.hparams
+    try:
+        lora = read_lora(path, spec.num_heads, spec.num_kv_heads)
+    except ValueError as exc:
+        raise LoRAError("lora_path", str(exc)) from None
+    if lora.architecture != spec.architecture:
+        raise LoRAError("lora_path", f"{path} adapts a {lora.architecture} model; this one is {spec.architecture}")
+    ranks = {pair["A"].shape[0] for pair in lora.halves.values() if "A" in pair}
+    if len(ranks) != 1:
+        raise LoRAError("lora_path", f"{path}: its matrices have ranks {sorted(ranks)}; brisk needs one rank")
+    rank = ranks.pop()
+    return LoRAConfig(rank, lora.alpha or float(rank)), lora.halves
 
 
 def _read_config(path: str) -> dict:

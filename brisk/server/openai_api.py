@@ -335,7 +335,8 @@ class OpenAIServing:
 # ----- helpers --------------------------------------------------------------------------------
 def _options(body, http: Request, adapter: AdapterInfo | None, draft: tuple[int, ...]) -> RequestOptions:
     return RequestOptions(cache_salt=body.cache_salt, tenant=caller(http).tenant, priority=body.priority,
-                          adapter=adapter.name if adapter is not None else None, draft=draft)
+                          adapter=adapter.name if adapter is not None else None, lora_scale=body.lora_scale,
+                          draft=draft)
 
 
 def _check_admin(http: Request, action: str) -> None:

@@ -152,6 +152,8 @@ class SamplingFields(_Body):
     prompt_logprobs: Logprobs | None = None
     cache_salt: Text | None = None  # prefix-cache entries are shared only between requests with the same salt
     priority: int = 0  # lower runs sooner: under the priority policy, and within a tenant under fair
+    # the LoRA adapter's update (the `model` field names the adapter) times this, as llama.cpp's server allows
+    lora_scale: float = 1.0
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None

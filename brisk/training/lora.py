@@ -231,7 +231,7 @@ class Trainer:
         adapter = self.lora.adapter().weights(self.model.hparams.num_layers, torch.float32, torch.device("cpu"))
         total = sum(len(e.token_ids) for e in examples)
         hidden = forward_sequences(self.model, [e.token_ids for e in examples],
-                                   LoRABatch.of([adapter] * total, torch.device("cpu")))
+                                   LoRABatch.of([(adapter, 1.0)] * total, torch.device("cpu")))
         rows, targets, start = [], [], 0
         for e in examples:
             for position in range(len(e.token_ids) - 1):

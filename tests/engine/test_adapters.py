@@ -15,7 +15,7 @@ import torch
 
 from brisk import LLM, LoRARequest, SamplingParams
 from brisk.engine.adapters import AdapterNotFound
-from brisk.engine.request import Request
+from brisk.engine.request import EngineRequest, Request, RequestOptions
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.kernels.backend import KernelBackend
 from brisk.kernels.cpu import CBackend
@@ -200,3 +200,27 @@ def test_a_lora_request_with_a_path_loads_the_adapter_offline(served):
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False,
                        lora_request=LoRARequest("tuned", 1, folders["qv"]))[0]
     assert list(out.outputs[0].token_ids) == hf_greedy(merged["qv"], prompt, 6)
+
+
+def test_a_requests_scale_scales_its_adapter_and_keys_its_prefix_blocks(served, llm, tmp_path):
+    """LoRARequest(scale=s) (llama.cpp's per-request scale): the merged model of the same adapter
+    with B times s; the same adapter at two scales in one batch; and no prefix blocks shared
+    between scales."""
+    base = served[0]
+    half = build_lora_adapter(base, str(tmp_path / "half"), 1, b_scale=0.5, **ADAPTERS["all"])  # "all"'s seed
+    prompts = [_prompt(9, seed=21), _prompt(23, seed=22)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts * 2, params, use_tqdm=False,
+                           lora_request=[LoRARequest("all", scale=0.5)] * 2 + [LoRARequest("all")] * 2)
+    for prompt, output in zip(prompts, outputs[:2]):
+        assert list(output.outputs[0].token_ids) == hf_greedy(half, prompt, 10)
+    for prompt, output in zip(prompts, outputs[2:]):
+        assert list(output.outputs[0].token_ids) == hf_greedy(served[2]["all"], prompt, 10)
+    prompt = _prompt(40, seed=23)
+    cached = [llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("all", scale=s))[0]
+              .num_cached_tokens for s in (1.0, 0.5, 0.5)]
+    assert cached[:2] == [0, 0] and cached[2] >= 36
+    with pytest.raises(SamplingError, match="lora_scale"):
+        llm.engine.add(EngineRequest.checked("x", [5, 6], SamplingParams(), TINY_VOCAB, 256,
+                                             RequestOptions(lora_scale=0.5)))
+    assert_no_leaks(llm.engine)

@@ -14,6 +14,7 @@ import torch
 from brisk import LLM
 from brisk.model.lora import CONFIG_FILE, PROJECTIONS, LoRAAdapter, LoRAError, projection_shape
 from tests.conftest import build_lora_adapter, build_tiny_checkpoint
+from tests.helpers import require
 
 LINEAR = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
@@ -81,3 +82,74 @@ def test_a_folder_without_an_adapter_or_of_another_shape_is_refused(tiny_and_ada
     (tmp_path / "adapter_model.safetensors").symlink_to(adapter / "adapter_model.safetensors")
     with pytest.raises(LoRAError, match="do not fit a rank-8 update"):
         LoRAAdapter.load("wrong", str(tmp_path), model)
+
+
+# llama.cpp's LoRA GGUF files (convert_lora_to_gguf.py): the same adapter as the PEFT folder it
+# was converted from, q and k's B rows in llama.cpp's rotary order in the file.
+_GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                     "mlp.down_proj": "ffn_down"}
+
+
+def _write_gguf_lora(peft_folder, path: str, heads: int, kv_heads: int) -> None:
+    """The PEFT adapter written as convert_lora_to_gguf.py writes it, with gguf's own writer."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((peft_folder / CONFIG_FILE).read_text())
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(config["lora_alpha"]))
+    for key, tensor in sorted(load_file(str(peft_folder / "adapter_model.safetensors")).items()):
+        module, half = key.removeprefix("base_model.model.model.").rsplit(".lora_", 1)
+        layer, name = module.split(".", 2)[1:]
+        if half.startswith("B") and name in ("self_attn.q_proj", "self_attn.k_proj"):
+            n = heads if "q_proj" in name else kv_heads  # llama.cpp's permute: each head's halves interleaved
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).transpose(1, 2).reshape(tensor.shape)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER_NAMES[name]}.weight.lora_{half[0].lower()}",
+                          tensor.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _same_updates(model, first: LoRAAdapter, second: LoRAAdapter) -> None:
+    for layer in range(model.hparams.num_layers):
+        for projection in PROJECTIONS:
+            shape = projection_shape(model, projection)
+            torch.testing.assert_close(first.delta(layer, projection, *shape), second.delta(layer, projection, *shape),
+                                       rtol=0, atol=0)
+
+
+def test_a_llama_cpp_lora_gguf_is_the_adapter_it_was_converted_from(tiny_and_adapter, tmp_path):
+    model, adapter = tiny_and_adapter
+    path = str(tmp_path / "adapter.gguf")
+    _write_gguf_lora(adapter, path, model.hparams.num_heads, model.hparams.num_kv_heads)
+    converted = LoRAAdapter.load("gguf", path, model)
+    assert converted.config.scaling == pytest.approx(8 / 4)
+    _same_updates(model, LoRAAdapter.load("peft", str(adapter), model), converted)
+
+
+def test_a_gguf_that_is_not_a_lora_adapter_is_refused(tiny_and_adapter, real_model_path):
+    model, _ = tiny_and_adapter
+    with pytest.raises(LoRAError, match="not a LoRA adapter") as raised:
+        LoRAAdapter.load("model", real_model_path, model)
+    assert raised.value.field == "lora_path"
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpps_own_converter_writes_what_brisk_reads_as_the_peft_adapter(tiny_and_adapter, tmp_path):
+    """convert_lora_to_gguf.py from the llama.cpp sources `make llama-cpp` unpacks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, adapter = tiny_and_adapter
+    converter = Path(__file__).resolve().parents[2] / "build" / "llama.cpp-src" / "convert_lora_to_gguf.py"
+    require(converter.exists(), "llama.cpp's sources (make llama-cpp)")
+    path = str(tmp_path / "adapter.gguf")
+    subprocess.run([sys.executable, str(converter), "--base", str(adapter.parent / "base"), "--outfile", path,
+                    "--outtype", "f32", str(adapter)], check=True, capture_output=True)
+    _same_updates(model, LoRAAdapter.load("peft", str(adapter), model), LoRAAdapter.load("gguf", path, model))

@@ -51,9 +51,9 @@ def expected(folders) -> dict[str | None, str]:
     return answers
 
 
-def _answer(client: openai.OpenAI, model: str) -> str:
+def _answer(client: openai.OpenAI, model: str, **extra) -> str:
     completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
-                                           extra_body={"ignore_eos": True})
+                                           extra_body={"ignore_eos": True, **extra})
     assert completion.model == model
     return completion.choices[0].text
 
@@ -72,6 +72,10 @@ def test_adapters_are_models_picked_by_the_model_field(folders, expected, engine
                 assert _answer(client, model) == expected[name]
             with pytest.raises(openai.NotFoundError, match="mlp"):
                 _answer(client, "mlp")
+            # llama.cpp's per-request scale: 0 leaves the base model; without an adapter it is a 400
+            assert _answer(client, "qv", lora_scale=0.0) == expected[None]
+            with pytest.raises(openai.BadRequestError, match="lora_scale"):
+                _answer(client, "tiny", lora_scale=0.5)
 
             user = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {USER}"}, timeout=60)
             refused = user.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": folders["mlp"]})
@@ -90,7 +94,7 @@ def test_adapters_are_models_picked_by_the_model_field(folders, expected, engine
 
             metrics = admin.get("/metrics").text
             assert metric_values(metrics)['brisk:lora_generation_tokens_total{lora_name="mlp"}'] == 8
-            assert metric_values(metrics)['brisk:lora_request_success_total{finished_reason="length",lora_name="qv"}'] == 1
+            assert metric_values(metrics)['brisk:lora_request_success_total{finished_reason="length",lora_name="qv"}'] == 2
             assert 'max_lora="16"' in metrics and "brisk:lora_requests_info" in metrics
             assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
             with pytest.raises(openai.NotFoundError):
