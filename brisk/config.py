@@ -235,11 +235,11 @@ class EngineConfig:
     seed: int = knob(0, "Seed of the generator that gives each request without a seed its own.")
     num_threads: int | None = knob(None, "CPU threads for torch; default: all cores.")
     enable_lora: bool = knob(
-        False, "Serve LoRA adapters on top of the model (PEFT folders), chosen per request (the `model` field in "
-               "the server, lora_request offline); on with lora_modules.")
+        False, "Serve LoRA adapters on top of the model (PEFT folders or llama.cpp LoRA GGUF files), chosen per "
+               "request (the `model` field in the server, lora_request offline); on with lora_modules.")
     lora_modules: list[str] | None = knob(
-        None, "Adapters to serve from the start, as NAME=PATH (a PEFT adapter folder); more can be loaded at run "
-              "time (POST /v1/load_lora_adapter).")
+        None, "Adapters to serve from the start, as NAME=PATH (a PEFT adapter folder or a llama.cpp LoRA GGUF "
+              "file); more can be loaded at run time (POST /v1/load_lora_adapter).")
     max_loras: int = knob(16, "Most distinct adapters in one batch; requests of others wait (a CPU step reads each "
                               "adapter of the batch once: ~5 MB per rank-8 adapter of the default model in bf16).")
     max_cpu_loras: int | None = knob(

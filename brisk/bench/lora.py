@@ -92,5 +92,5 @@ def main(args) -> None:
     print("|---|---:|---:|---:|---|")
     for label, speeds in rounds.items():
         speed = statistics.median(speeds)
-        print(f"| {label} | {sizes[label] / 1e6:.1f} MB | {speed:.1f} | {speed / base:.2f} | "
+        print(f"| {label} | {sizes[label] / 1e6:.3g} MB | {speed:.1f} | {speed / base:.2f} | "
               f"{', '.join(f'{s:.1f}' for s in speeds)} |")

@@ -49,7 +49,7 @@ class PrefixAffinity:
         self.capacity_per_replica = capacity_per_replica
         self._held: dict[Replica, OrderedDict[int, None]] = {}
 
-    def key(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+    def key(self, token_ids: Sequence[int], salt: Hashable = None) -> list[int]:
         """The chain hashes of the prompt's first full blocks (at most max_blocks)."""
         hashes: list[int] = []
         parent = None

@@ -182,10 +182,10 @@ class RayEngineClient(EngineClient):
             timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
         return sum(a for a in answers if isinstance(a, int))
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+    async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
         """On every replica; where one refuses (the folder is not there), the others drop it again,
         so no replica serves an adapter that another would answer 404 for."""
-        answers = await self._handle.broadcast("load_adapter", name, path).results_async(
+        answers = await self._handle.broadcast("load_adapter", name, path, replace).results_async(
             timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
         failed = [a for a in answers if isinstance(a, BaseException)]
         if failed:

@@ -103,8 +103,8 @@ class EngineReplica:
     async def clear_prefix_cache(self) -> int:
         return await self.engine.clear_prefix_cache()
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        return await self.engine.load_adapter(name, path)
+    async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        return await self.engine.load_adapter(name, path, replace)
 
     async def unload_adapter(self, name: str) -> None:
         await self.engine.unload_adapter(name)

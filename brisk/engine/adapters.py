@@ -79,18 +79,19 @@ class Adapters:
         """The adapters in memory, least recently used first."""
         return list(self._resident)
 
-    def load(self, name: str, path: str) -> AdapterInfo:
-        """Reads and checks the adapter in folder `path` under `name`; raises LoRAError naming what
-        is wrong. Loading a name again from the same folder does nothing; from another, it is
-        refused (unload it first)."""
+    def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        """Reads and checks the adapter in `path` (a PEFT folder or a llama.cpp LoRA GGUF file) under
+        `name`; raises LoRAError naming what is wrong. Loading a name again from the same files does
+        nothing; from others it is refused, unless `replace`: then the new adapter is read first and
+        takes the name only once it loaded (requests in flight finish with the old one)."""
         if not name:
             raise LoRAError("lora_name", "an adapter needs a name")
         known = self.infos.get(name)
-        if known is not None:
-            if known.path == path:
+        if known is not None and not replace:
+            if known.path == path and content_digest(path) == known.identity:
                 return known
             raise LoRAError("lora_name", f"an adapter named {name!r} is already loaded (from {known.path}); "
-                                         "unload it first")
+                                         "unload it first, or load it in place")
         weights, rank = self._read(name, path)
         self.infos[name] = info = AdapterInfo(name, path, rank, content_digest(path))
         self._keep(name, weights)
@@ -112,8 +113,12 @@ class Adapters:
             known = ", ".join(sorted(self.infos)) or "none"
             raise AdapterNotFound("model", f"no adapter named {name!r} (loaded: {known})")
         weights = self._resident.get(name)
-        if weights is None:
-            weights, _ = self._read(name, self.infos[name].path)
+        if weights is None:  # dropped from memory: read again, from the same files
+            info = self.infos[name]
+            if content_digest(info.path) != info.identity:
+                raise LoRAError("model", f"adapter {name!r} changed on disk ({info.path}) since it was loaded; load "
+                                         "it again to serve the new one (POST /v1/load_lora_adapter, load_inplace)")
+            weights, _ = self._read(name, info.path)
         self._keep(name, weights)
         return weights
 
@@ -159,7 +164,16 @@ class AdapterCap(WaitingQueue):
         return len(self.queue)
 
     def seat_victims(self, running: list[Request], seats: int) -> list[Request]:
-        return self.queue.seat_victims(running, seats)
+        """The policy's victims, as many as the cap lets waiting requests take their seats: a seat
+        freed for a request of an adapter the batch has no room for would only be taken back by
+        the victim next step, which would recompute its context every time."""
+        victims = self.queue.seat_victims(running, seats)
+        free = max(seats - len(running), 0)
+        for count in range(len(victims), 0, -1):  # the most victims whose seats all find a taker
+            remaining = [r for r in running if r not in victims[:count]]
+            if sum(1 for _ in zip(range(free + count), self.admission_order(remaining))) == free + count:
+                return victims[:count]
+        return []
 
     def admission_order(self, running: list[Request]) -> Iterator[Request]:
         batch = {r.adapter for r in running if r.adapter is not None}

@@ -152,9 +152,10 @@ class LLMEngine:
                                         params, self.hparams.vocab_size, self.max_model_len, options, arrival_time)
         return self.add(request)
 
-    def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        """Serves the PEFT adapter in folder `path` as `name` from now on (engine/adapters.py)."""
-        return self._enabled_adapters("lora_name").load(name, path)
+    def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        """Serves the adapter in `path` (a PEFT folder or a llama.cpp LoRA GGUF file) as `name` from
+        now on; replace: in place of an adapter of that name (engine/adapters.py)."""
+        return self._enabled_adapters("lora_name").load(name, path, replace)
 
     def unload_adapter(self, name: str) -> None:
         """Stops serving adapter `name`; its requests in the engine finish with it."""
@@ -171,7 +172,10 @@ class LLMEngine:
         options = request.options
         if options.draft and not self.step_hook.verifies_supplied_drafts:
             raise SamplingError("draft", "needs speculative decoding: start the engine with a speculative_config")
-        lora = self._enabled_adapters("model").get(options.adapter) if options.adapter is not None else None
+        lora, identity = None, None
+        if options.adapter is not None:
+            adapters = self._enabled_adapters("model")
+            lora, identity = adapters.get(options.adapter), adapters.infos[options.adapter].identity
         params, children = request.params, []
         for i in range(params.n):
             child_params = self._child_params(params, i)
@@ -185,6 +189,7 @@ class LLMEngine:
                 arrival_time=request.arrival_time,
                 cache_salt=options.cache_salt,
                 adapter=options.adapter,
+                adapter_identity=identity,
                 lora=lora,
                 lora_scale=options.lora_scale,
                 tenant=options.tenant or "default",

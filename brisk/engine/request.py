@@ -41,7 +41,9 @@ def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: i
 def prefix_salt(cache_salt: str | None, adapter: str | None, lora_scale: float = 1.0) -> Hashable:
     """What a request's prefix-cache entries are keyed on beside its tokens: its cache salt, and
     its LoRA adapter and that adapter's scale (K/V differs from the base model's and every other
-    adapter's). The engine's blocks and the Ray router's prefix key both use it."""
+    adapter's). The engine's blocks key on the adapter's identity (its files' digest: an adapter
+    loaded again from other files under the same name is another model); the Ray router's prefix
+    key, which only steers requests to the replica likely to hold their blocks, on its name."""
     if adapter is None:
         return cache_salt
     return (cache_salt, adapter) if lora_scale == 1.0 else (cache_salt, adapter, lora_scale)
@@ -51,7 +53,7 @@ def prefix_salt(cache_salt: str | None, adapter: str | None, lora_scale: float =
 class RequestOptions:
     """What a request brings beside its prompt ids and sampling params, passed as one value from
     every edge (the offline LLM, the server, a Ray replica) through every engine client to the
-    core, so a new one is added here and nowhere else along the way."""
+    core: a new one is added here, and where the core acts on it (LLMEngine.add)."""
 
     prompt: str | None = None  # the text, when the prompt came as text
     cache_salt: str | None = None  # isolates its prefix-cache entries
@@ -88,8 +90,8 @@ class EngineRequest:
     def checked(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
                 max_model_len: int, options: RequestOptions = NO_OPTIONS,
                 arrival_time: float | None = None) -> "EngineRequest":
-        """Validates the prompt, the params and the draft against the model's limits; raises
-        SamplingError naming the field."""
+        """Validates the prompt, the params, the draft and the adapter's scale against the model's
+        limits; raises SamplingError naming the field."""
         params = validate_request(prompt_token_ids, params, vocab_size, max_model_len)
         bad = [t for t in options.draft if not 0 <= t < vocab_size]
         if bad:
@@ -137,6 +139,7 @@ class Request:
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates prefix-cache entries (e.g. per tenant)
     adapter: str | None = None  # the LoRA adapter it runs with (engine/adapters.py), by name
+    adapter_identity: str | None = None  # its files' digest (AdapterInfo.identity): what its prefix blocks key on
     lora: AdapterWeights | None = None  # and its weights, held until the request finishes
     lora_scale: float = 1.0  # and the scale of their update
     tenant: str = "default"  # whose share of the batch it runs in (engine/waiting.py: the fair policy)
@@ -192,7 +195,12 @@ class Request:
 
     @property
     def prefix_salt(self) -> Hashable:
-        return prefix_salt(self.cache_salt, self.adapter, self.lora_scale)
+        return prefix_salt(self.cache_salt, self.adapter_identity, self.lora_scale)
+
+    @property
+    def lora_use(self) -> tuple[AdapterWeights, float] | None:
+        """Its adapter's weights and scale, as a step's LoRABatch takes them (None: the base model)."""
+        return None if self.lora is None else (self.lora, self.lora_scale)
 
     @property
     def may_reuse_prefix(self) -> bool:

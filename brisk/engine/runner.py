@@ -242,10 +242,8 @@ class ModelRunner:
             attn.prefills = [self._prefill_span(chunk, row, tables[g][chunk.request.request_id])
                              for chunk, row in prefill_chunks]
             groups.append(attn)
-        lora = None
-        if any(c.request.lora is not None for c in sched.chunks):
-            lora = LoRABatch.of([(c.request.lora, c.request.lora_scale) if c.request.lora is not None else None
-                                 for c in decodes + prefills for _ in range(c.num_new_tokens)], self.device)
+        lora = LoRABatch.of([c.request.lora_use for c in decodes + prefills for _ in range(c.num_new_tokens)],
+                            self.device)
         return _Batch(input_ids=input_ids, positions=positions,
                       attn=AttentionMetadata.grouped(groups, self._layer_groups), sample_rows=sample_rows,
                       sample_chunks=sample_chunks, prompt_logprob_rows=prompt_rows, lora=lora)

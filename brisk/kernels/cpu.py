@@ -656,11 +656,17 @@ class CBackend(KernelBackend):
         return DecodeLayers(layers, final_norm, num_heads, num_kv_heads, eps, scale, activation)
 
     def lora_add(self, y, x, lora, layer, projection):
-        if x.dtype == y.dtype == torch.float32 and x.device.type == "cpu" and lora.rows.device.type == "cpu" \
-                and not wants_grad(x, y) and not (torch.is_grad_enabled() and lora.requires_grad):
-            lora_add(y, x, lora, layer, projection)
-        else:
+        """float32 activations in place; bf16 ones (a bf16 model layer by layer) through a float32
+        update added once, as the kernel reads float32 activations."""
+        if not (_on_cpu(x) and _on_cpu(y) and lora.rows.device.type == "cpu" and not wants_grad(x, y)
+                and not (torch.is_grad_enabled() and lora.requires_grad)):
             super().lora_add(y, x, lora, layer, projection)
+        elif y.dtype == torch.float32:
+            lora_add(y, x.float(), lora, layer, projection)
+        else:
+            update = torch.zeros(y.shape)
+            lora_add(update, x.float(), lora, layer, projection)
+            y += update.to(y.dtype)
 
     def quant_linear(self, x, layer):
         if x.device.type == "cpu":

@@ -20,7 +20,9 @@
  *     (x = rms_norm(x))                           Gemma's sandwich norm
  *
  * and last the final norm. With LoRA adapters in the step (decode_batch.lora), each projection's
- * product is followed by the adapters' updates of their own rows (lora.h). The operations are
+ * product is followed by the adapters' updates of their own rows (lora.h): its shrink reads the
+ * projection's input and its expand adds to the output, each after the barrier that ends the
+ * `omp for` before it (no loop here has `nowait`). The operations are
  * the same bodies the standalone kernels run, so the fused step and the layer-by-layer path
  * compute the same thing. Activations are float32
  * scratch; dense weights and norms are in the model's dtype (T), the KV cache in any of dtypes.h's

@@ -109,20 +109,21 @@ struct lora_batch {
                     const int64_t from = lo > piece->first_row ? lo : piece->first_row;                   \
                     const int64_t end = piece->first_row + piece->rows, to = hi < end ? hi : end;         \
                     if (from >= to) continue;                                                             \
-                    /* B^T's row r, indexed by the output */                                            \
-                    const T *bt = (const T *)piece->bt - piece->first_row;                                \
-                    const int64_t stride = piece->rows;                                                   \
+                    /* B^T's row r from this task's first output on */                                  \
+                    const T *bt = (const T *)piece->bt + (from - piece->first_row);                       \
+                    const int64_t stride = piece->rows, width = to - from;                                \
+                    float *restrict yi0 = y + from;                                                       \
                     for (int64_t s = batch->starts[a]; s < batch->starts[a + 1]; s++) {                   \
                         const int64_t i = batch->rows[s];                                                 \
                         const float *ti = t + i * R + piece->first_rank;                                  \
-                        float *restrict yi = y + i * n;                                                   \
+                        float *restrict yi = yi0 + i * n;                                                 \
                         int64_t r = 0;                                                                    \
                         for (; r + 4 <= piece->rank; r += 4) {                                            \
                             const float t0 = ti[r], t1 = ti[r + 1], t2 = ti[r + 2], t3 = ti[r + 3];       \
                             const T *restrict b0 = bt + r * stride, *restrict b1 = b0 + stride;           \
                             const T *restrict b2 = b1 + stride, *restrict b3 = b2 + stride;               \
                             _Pragma("omp simd")                                                           \
-                            for (int64_t o = from; o < to; o++)                                           \
+                            for (int64_t o = 0; o < width; o++)                                           \
                                 yi[o] += t0 * LOAD(b0[o]) + t1 * LOAD(b1[o]) + t2 * LOAD(b2[o])           \
                                          + t3 * LOAD(b3[o]);                                              \
                         }                                                                                 \
@@ -130,7 +131,7 @@ struct lora_batch {
                             const float tr = ti[r];                                                       \
                             const T *restrict column = bt + r * stride;                                   \
                             _Pragma("omp simd")                                                           \
-                            for (int64_t o = from; o < to; o++) yi[o] += tr * LOAD(column[o]);            \
+                            for (int64_t o = 0; o < width; o++) yi[o] += tr * LOAD(column[o]);            \
                         }                                                                                 \
                     }                                                                                     \
                 }                                                                                         \

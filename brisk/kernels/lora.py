@@ -7,8 +7,11 @@ every row, as without adapters; then each adapter's update is added to its own r
 
 in two halves, as Punica's SGMV does on GPUs: the shrink (t = A x, a few numbers per row, each
 row of A read once for the whole segment) and the expand (y += B t, B kept transposed and each of
-its columns read once per segment). The rows of the step are grouped by adapter once (LoRABatch.of), so every projection
-of every layer reads each adapter's A and B once per step, whatever its number of rows.
+its columns read once per segment). The rows of the step are grouped by adapter once
+(LoRABatch.of), so every projection of every layer reads each adapter's A and B once per step,
+whatever its number of rows. On CPU the C kernels (lora.h) run it, inside the fused decode step
+too (bf16 activations through a float32 update); elsewhere, and under autograd (training an
+adapter), `lora_add_torch`, their reference (a GPU runs it in torch today, outside CUDA graphs).
 
 An adapter's update of one of the model's fused projections (q/k/v, gate/up) is one A, its
 modules' A matrices stacked ([R, in]: R the sum of their ranks), and one B per module (a
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The projections of a layer an adapter may update, in lora.h's order (enum lora_projection)
+# The projections of a layer an adapter may update, in lora.h's order (enum lora_target)
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -163,6 +166,8 @@ class LoRABatch:
     def struct(self) -> _Batch:
         """struct lora_batch for the C kernels, built once per step."""
         if self._struct is None:
+            if self.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"the C kernels read float32 or bfloat16 adapters, not {self.dtype}")
             starts = torch.tensor(self.starts, dtype=torch.long)
             scales = torch.tensor(self.scales, dtype=torch.float32)
             tables = (ctypes.POINTER(_Projection) * len(self.adapters))(

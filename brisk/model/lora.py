@@ -116,7 +116,9 @@ class LoRAAdapter:
     def load(cls, name: str, path: str, model: LlamaForCausalLM) -> LoRAAdapter:
         """The PEFT adapter in folder `path` (or llama.cpp's LoRA GGUF file), checked against
         `model`'s shapes."""
-        if path.endswith(GGUF_SUFFIX) and os.path.isfile(path):
+        if path.endswith(GGUF_SUFFIX):
+            if not os.path.isfile(path):
+                raise LoRAError("lora_path", f"no file at {path}")
             config, halves = _read_gguf(path, model)
         else:
             config, halves = LoRAConfig.from_peft(_read_config(path)), _read_peft(path)
@@ -164,6 +166,19 @@ def projection_shape(model: LlamaForCausalLM, projection: str) -> tuple[int, int
     return {"self_attn.qkv_proj": (q + 2 * s.num_kv_heads * s.head_dim, s.hidden_size),
             "self_attn.o_proj": (s.hidden_size, q), "mlp.gate_up_proj": (2 * s.intermediate_size, s.hidden_size),
             "mlp.down_proj": (s.hidden_size, s.intermediate_size)}[projection]
+
+
+def adapted_projection(model: LlamaForCausalLM, hf_name: str) -> tuple[int, str, int, int] | None:
+    """Where a checkpoint weight (`model.layers.3.self_attn.q_proj.weight`) lands among the
+    projections an adapter may update: (layer, one of PROJECTIONS, first row there, rows); None
+    for any other weight. The model's own weight map (`locate`) says it, so every family's names
+    and fused projections are placed as its weights are."""
+    target, rows = model.locate(hf_name)
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", target or "")
+    if match is None or match[2] not in PROJECTIONS:
+        return None
+    first, count = rows if rows is not None else (0, projection_shape(model, match[2])[0])
+    return int(match[1]), match[2], first, count
 
 
 def _read_peft(path: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -214,14 +229,12 @@ def _read_config(path: str) -> dict:
 def _shard(module: str, pair: dict[str, torch.Tensor], config: LoRAConfig, model: LlamaForCausalLM) -> LoRAShard:
     if set(pair) != {"A", "B"}:
         raise LoRAError(WEIGHTS_FILE, f"{module} has lora_{''.join(pair)} without its other half")
-    target, rows = model.locate(f"{module}.weight")
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", target or "")
-    if match is None or match[2] not in PROJECTIONS:
+    place = adapted_projection(model, f"{module}.weight")
+    if place is None:
         raise LoRAError("target_modules", f"{module} is not a projection brisk adapts (the attention's and the "
                                           "MLP's linear layers only: no embeddings, LM head or norms)")
-    layer, projection = int(match[1]), match[2]
-    total_rows, cols = projection_shape(model, projection)
-    first, count = rows if rows is not None else (0, total_rows)
+    layer, projection, first, count = place
+    cols = projection_shape(model, projection)[1]
     a, b = pair["A"], pair["B"]
     if a.shape != (config.rank, cols) or b.shape != (count, config.rank):
         raise LoRAError(WEIGHTS_FILE, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a "

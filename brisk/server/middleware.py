@@ -58,6 +58,10 @@ class TenantLimits:
     weight: float = 1.0
     max_concurrent: int | None = None
     max_queued_tokens: int | None = None
+    adapters: tuple[str, ...] | None = None  # the LoRA adapters it may use and sees in /v1/models; None: all
+
+    def may_use(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,12 @@ class APIKeys:
         return {tenant: limits.weight for tenant, limits in self.limits.items()}
 
 
-_LIMIT_FIELDS = {"weight": float, "max_concurrent": int, "max_queued_tokens": int}
+_LIMIT_FIELDS = {"weight": float, "max_concurrent": int, "max_queued_tokens": int, "adapters": str}
 
 
 def read_api_keys(path: str) -> APIKeys:
-    """`KEY TENANT [weight=W] [max_concurrent=N] [max_queued_tokens=T]` per line, `#` comments and
-    blank lines skipped. A key listed twice is an error, and so are two lines of one tenant that
+    """`KEY TENANT [weight=W] [max_concurrent=N] [max_queued_tokens=T] [adapters=A,B]` per line,
+    `#` comments and blank lines skipped (adapters: the only LoRA adapters the tenant may use). A key listed twice is an error, and so are two lines of one tenant that
     disagree on its limits (a limit given on one line and left out on another agrees)."""
     tenants: dict[str, str] = {}
     given: dict[str, dict[str, float | int]] = {}
@@ -86,8 +90,8 @@ def read_api_keys(path: str) -> APIKeys:
                 continue
             if len(fields) < 2 or not _TENANT.fullmatch(fields[1].encode()):
                 raise ValueError(f"{path}:{number}: expected `KEY TENANT [weight=W] [max_concurrent=N] "
-                                 f"[max_queued_tokens=T]` (a tenant of letters, digits and _.:@-, at most 64), got "
-                                 f"{line.strip()!r}")
+                                 f"[max_queued_tokens=T] [adapters=A,B]` (a tenant of letters, digits and _.:@-, at "
+                                 f"most 64), got {line.strip()!r}")
             key, tenant = fields[:2]
             if tenant == DEFAULT_TENANT:  # the tenant of api_key and admin_api_key: it would share their answers
                 raise ValueError(f"{path}:{number}: the tenant name {DEFAULT_TENANT!r} is reserved")
@@ -102,12 +106,14 @@ def read_api_keys(path: str) -> APIKeys:
     return APIKeys(tenants, {tenant: TenantLimits(**values) for tenant, values in given.items()})
 
 
-def _limit(path: str, number: int, field: str) -> tuple[str, float | int]:
+def _limit(path: str, number: int, field: str) -> tuple[str, float | int | tuple[str, ...]]:
     name, _, text = field.partition("=")
     kind = _LIMIT_FIELDS.get(name)
     if kind is None or not text:
-        raise ValueError(f"{path}:{number}: expected weight=W, max_concurrent=N or max_queued_tokens=T after the "
-                         f"tenant, got {field!r}")
+        raise ValueError(f"{path}:{number}: expected weight=W, max_concurrent=N, max_queued_tokens=T or adapters=A,B "
+                         f"after the tenant, got {field!r}")
+    if kind is str:
+        return name, tuple(sorted({a for a in text.split(",") if a}))
     try:
         value = kind(text)
     except ValueError:

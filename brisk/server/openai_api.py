@@ -53,17 +53,17 @@ class OpenAIServing:
         self.serving, self.embeddings, self.caching = serving, embeddings, caching
         self.model_name = serving.model_name
 
-    async def models(self) -> dict:
+    async def models(self, http: Request) -> dict:
         cards = [self._model_card(name) for name in self.serving.model_names]
-        cards += [self._adapter_card(adapter) for adapter in self.serving.adapters.values()]
+        cards += [self._adapter_card(adapter) for adapter in self.serving.adapters_of(caller(http).tenant)]
         if self.embeddings is not None:
             cards.append(self.embeddings.model_card(self.serving.created))
         return {"object": "list", "data": cards}
 
-    async def model(self, model_id: str) -> dict:
+    async def model(self, model_id: str, http: Request) -> dict:
         if self.embeddings is not None and model_id == self.embeddings.model_name:
             return self.embeddings.model_card(self.serving.created)
-        adapter = self.serving.check_model(model_id)
+        adapter = self.serving.check_model(model_id, caller(http).tenant)
         return self._model_card(model_id) if adapter is None else self._adapter_card(adapter)
 
     def _model_card(self, name: str) -> dict:
@@ -86,9 +86,7 @@ class OpenAIServing:
         if body.lora_name in self.serving.model_names or (self.embeddings is not None
                                                           and body.lora_name == self.embeddings.model_name):
             raise APIError(400, f"`{body.lora_name}` is the name of a served model.", param="lora_name")
-        if body.load_inplace and body.lora_name in self.serving.adapters:
-            await self.serving.unload_adapter(body.lora_name)
-        await self.serving.load_adapter(body.lora_name, body.lora_path)
+        await self.serving.load_adapter(body.lora_name, body.lora_path, body.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, http: Request) -> Response:
@@ -99,7 +97,7 @@ class OpenAIServing:
     # ----- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
-        adapter = serving.check_model(body.model)
+        adapter = serving.check_model(body.model, caller(http).tenant)
         check_tools(body)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",
@@ -226,7 +224,7 @@ class OpenAIServing:
     # ----- /v1/completions -------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         serving = self.serving
-        adapter = serving.check_model(body.model)
+        adapter = serving.check_model(body.model, caller(http).tenant)
         body.check_best_of()
         prompts = body.prompts()
         if not prompts:

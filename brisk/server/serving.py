@@ -159,6 +159,7 @@ class Serving:
                  tenant_limits: dict[str, TenantLimits] | None = None):
         self.engine = engine
         self.tenants = TenantLedger(tenant_limits or {})
+        self.tenant_limits = tenant_limits or {}
         self.model_names = model_names  # aliases: requests may name any, responses report the first
         self.model_name = model_names[0]
         # LoRA adapters by name, as loaded through this server (and at the engine's start)
@@ -210,19 +211,25 @@ class Serving:
                            param="messages") from exc
 
     # ----- checks ----------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> AdapterInfo | None:
+    def adapters_of(self, tenant: str) -> list[AdapterInfo]:
+        """The adapters a tenant may use: every one, unless the keys file names its own."""
+        limits = self.tenant_limits.get(tenant)
+        return [a for a in self.adapters.values() if limits is None or limits.may_use(a.name)]
+
+    def check_model(self, name: str | None, tenant: str = DEFAULT_TENANT) -> AdapterInfo | None:
         """The LoRA adapter a request's `model` names, None for the base model (any of its names,
-        or none given); 404 for a name that is neither."""
+        or none given); 404 for a name that is neither, or an adapter this tenant may not use."""
         if name is None or name in self.model_names:
             return None
         adapter = self.adapters.get(name)
-        if adapter is None:
+        limits = self.tenant_limits.get(tenant)
+        if adapter is None or (limits is not None and not limits.may_use(name)):
             raise APIError(404, f"The model `{name}` does not exist.", type="not_found_error", param="model",
                            code="model_not_found")
         return adapter
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        self.adapters[name] = info = await self.engine.load_adapter(name, path)
+    async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        self.adapters[name] = info = await self.engine.load_adapter(name, path, replace)
         return info
 
     async def unload_adapter(self, name: str) -> None:

@@ -16,9 +16,10 @@ import asyncio
 from importlib.metadata import version
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import Field
 
+from brisk.server.caching import caller
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, ChatMessage, Text, Tool, _Body
 from brisk.server.serving import Serving
@@ -62,9 +63,9 @@ class TokenizerAPI:
         self.serving = serving
         self.tokenizer = serving.engine.tokenizer
 
-    async def tokenize(self, body: TokenizeRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest, http: Request) -> dict:
         """No length limit: counting a prompt before sending it, too long or not, is what this is for."""
-        self.serving.check_model(body.model)
+        self.serving.check_model(body.model, caller(http).tenant)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Send either `prompt` (a text) or `messages` (a conversation), not "
                                 f"{'both' if body.prompt is not None else 'neither'}.", param="prompt")
@@ -90,10 +91,10 @@ class TokenizerAPI:
         return await self.serving.render_chat(conversation, body.continue_final_message,
                                               bool(body.add_special_tokens))
 
-    async def detokenize(self, body: DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest, http: Request) -> dict:
         """The text of the ids, special tokens included (as vLLM and transformers decode), so a
         rendered chat comes back whole."""
-        self.serving.check_model(body.model)
+        self.serving.check_model(body.model, caller(http).tenant)
         vocab, tokens = self.tokenizer.vocab_size, body.tokens
         if tokens and not (min(tokens) >= 0 and max(tokens) < vocab):  # min and max run in C: long lists are cheap
             unknown = next(t for t in tokens if not 0 <= t < vocab)

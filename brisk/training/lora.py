@@ -39,7 +39,7 @@ from brisk.config import ConfigError, knob
 from brisk.kernels.lora import LoRABatch
 from brisk.model.llama import LlamaForCausalLM
 from brisk.model.loader import load_model, open_checkpoint
-from brisk.model.lora import CONFIG_FILE, PROJECTIONS, WEIGHTS_FILE, LoRAAdapter, LoRAConfig, LoRAShard
+from brisk.model.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapter, LoRAConfig, LoRAShard, adapted_projection
 from brisk.model.sequences import forward_sequences
 from brisk.model.tokenizer import Tokenizer
 from brisk.training import loop
@@ -129,9 +129,9 @@ def _example(record: dict, tokenizer: Tokenizer) -> Example:
                 continue
             before = tokenizer.encode_chat(messages[:i], add_generation_prompt=True) if i else []
             upto = tokenizer.encode_chat(messages[:i + 1], add_generation_prompt=False)
-            if upto[:len(before)] != before:
-                raise ValueError("the chat template renders an assistant turn that does not extend the conversation "
-                                 "before it")
+            if upto[:len(before)] != before or before[:len(ids)] != ids:
+                raise ValueError(f"the chat template renders assistant turn {i} so that it does not extend the "
+                                 "conversation before it (a template that rewrites earlier turns)")
             trained += [False] * (len(before) - len(ids)) + [True] * (len(upto) - len(before))
             ids = upto
         return Example(ids, trained)
@@ -197,12 +197,9 @@ def _linear_layers(model: LlamaForCausalLM) -> dict[str, tuple[int, str, int, tu
     projection of ours it lands in, its first row there, and its [rows, cols]."""
     layers = {}
     for hf_name, tensor in model.hf_weights():
-        target, rows = model.locate(hf_name)
-        parts = (target or "").split(".", 2)
-        if len(parts) == 3 and parts[0] == "layers" and parts[2].removesuffix(".weight") in PROJECTIONS \
-                and hf_name.endswith(".weight"):
-            layers[hf_name.removesuffix(".weight")] = (int(parts[1]), parts[2].removesuffix(".weight"),
-                                                        rows[0] if rows is not None else 0, tuple(tensor.shape))
+        place = adapted_projection(model, hf_name)
+        if place is not None:
+            layers[hf_name.removesuffix(".weight")] = (*place[:3], tuple(tensor.shape))
     return layers
 
 

@@ -152,9 +152,9 @@ class EngineClient(abc.ABC):
         """Drops every cached prefix block no running request holds; returns how many."""
 
     @abc.abstractmethod
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        """Serves the LoRA adapter in folder `path` as `name` (on every replica); raises LoRAError
-        naming what is wrong (engine/adapters.py)."""
+    async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        """Serves the LoRA adapter in `path` as `name` (on every replica; replace: in place of an
+        adapter of that name); raises LoRAError naming what is wrong (engine/adapters.py)."""
 
     @abc.abstractmethod
     async def unload_adapter(self, name: str) -> None:

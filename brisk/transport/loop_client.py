@@ -158,8 +158,8 @@ class LoopClient(EngineClient):
     async def clear_prefix_cache(self) -> int:
         return await self.call(_evict_unused_cached_blocks)
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        return await self.call(functools.partial(_load_adapter, name, path))
+    async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        return await self.call(functools.partial(_load_adapter, name, path, replace))
 
     async def unload_adapter(self, name: str) -> None:
         await self.call(functools.partial(_unload_adapter, name))
@@ -220,8 +220,8 @@ def _evict_unused_cached_blocks(engine: LLMEngine) -> int:
     return engine.kv.evict_unused_cached_blocks()
 
 
-def _load_adapter(name: str, path: str, engine: LLMEngine) -> AdapterInfo:
-    return engine.load_adapter(name, path)
+def _load_adapter(name: str, path: str, replace: bool, engine: LLMEngine) -> AdapterInfo:
+    return engine.load_adapter(name, path, replace)
 
 
 def _unload_adapter(name: str, engine: LLMEngine) -> None:

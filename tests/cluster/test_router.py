@@ -67,3 +67,19 @@ def test_affinity_breaks_when_the_holder_is_overloaded():
         choose(r, pending, replicas)
         r.on_request_routed(pending, "a", result=None)
     assert choose(r, request("next", prompt), replicas)[0] == "b"  # 3 above b's 0: more than max_imbalance 2
+
+
+def test_the_prefix_key_includes_the_adapter():
+    """Requests of another adapter (or of the base model) hold other blocks: the same prompt under
+    another adapter is no reason to go to the replica that ran it."""
+    from brisk.engine.request import RequestOptions
+
+    r = router()
+    tokens = list(range(8))
+    keys = []
+    for options in (None, RequestOptions(adapter="sql"), RequestOptions(adapter="sql"), RequestOptions(adapter="law")):
+        pending = request("1", tokens)
+        pending.kwargs = {} if options is None else {"options": options}
+        asyncio.run(r.choose_replicas([replica("a"), replica("b")], pending))
+        keys.append(r.tentative.pop("1")[2])
+    assert keys[1] == keys[2] and len({tuple(keys[0]), tuple(keys[1]), tuple(keys[3])}) == 3

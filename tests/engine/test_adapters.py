@@ -224,3 +224,85 @@ def test_a_requests_scale_scales_its_adapter_and_keys_its_prefix_blocks(served, 
         llm.engine.add(EngineRequest.checked("x", [5, 6], SamplingParams(), TINY_VOCAB, 256,
                                              RequestOptions(lora_scale=0.5)))
     assert_no_leaks(llm.engine)
+
+
+def test_an_adapter_loaded_again_from_other_files_reuses_none_of_the_old_ones_blocks(served, llm):
+    """The prefix cache keys on the adapter's files, not its name: after unloading an adapter and
+    loading other files under its name (or loading them in place), the same prompt is computed
+    again, with the new weights."""
+    engine, folders, merged = llm.engine, served[1], served[2]
+    prompt = _prompt(40, seed=31)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def run():
+        return llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("swap"))[0]
+
+    engine.load_adapter("swap", folders["qv"])
+    assert list(run().outputs[0].token_ids) == hf_greedy(merged["qv"], prompt, 6)
+    assert run().num_cached_tokens >= 36
+    engine.unload_adapter("swap")
+    engine.load_adapter("swap", folders["mlp"])
+    first = run()
+    assert first.num_cached_tokens == 0 and list(first.outputs[0].token_ids) == hf_greedy(merged["mlp"], prompt, 6)
+    engine.load_adapter("swap", folders["all"], replace=True)
+    again = run()
+    assert again.num_cached_tokens == 0 and list(again.outputs[0].token_ids) == hf_greedy(merged["all"], prompt, 6)
+    engine.unload_adapter("swap")
+    assert_no_leaks(engine)
+
+
+def test_requests_of_many_adapters_all_finish_while_adapters_are_evicted_loaded_and_unloaded(served):
+    """Under load: one adapter a batch and one in memory, so the engine drops and rereads adapters
+    as their turns come; an adapter is loaded and another unloaded while requests of every adapter
+    wait or run. Every request finishes, with its own adapter's answer."""
+    _, folders, merged, base = served
+    llm = _llm(served, max_loras=1, max_cpu_loras=1, max_num_seqs=4)
+    engine = llm.engine
+    names = ["qv", "all", "mlp", None] * 3
+    prompts = [_prompt(6 + i, seed=40 + i) for i in range(len(names))]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for i, (name, prompt) in enumerate(zip(names, prompts)):
+        engine.add_request(prompt, params, str(i), lora_request=LoRARequest(name) if name else None)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+        if steps == 2:
+            engine.unload_adapter("mlp")  # its waiting requests finish with it all the same
+            engine.load_adapter("late", folders["qv"])
+    assert len(finished) == len(names)
+    for i, (name, prompt) in enumerate(zip(names, prompts)):
+        assert list(finished[str(i)].outputs[0].token_ids) == hf_greedy(merged[name] if name else base, prompt, 5)
+    assert_no_leaks(engine)
+
+
+def test_the_cap_takes_no_seat_for_a_request_it_would_not_admit():
+    """Under the priority policy a better request takes a worse one's seat, but not when its
+    adapter cannot join the batch (max_loras): the seat would only go back to the victim, whose
+    context would be recomputed every step."""
+    from brisk.engine.adapters import AdapterCap
+    from brisk.engine.waiting import PriorityQueue
+
+    def request(rid: str, adapter: str | None, priority: int) -> Request:
+        return Request(rid, [1, 2], SamplingParams(), adapter=adapter, priority=priority)
+
+    running = [request("a1", "sql", 5), request("a2", "sql", 5)]
+    cap = AdapterCap(PriorityQueue(), max_loras=1)
+    cap.push(request("b", "law", 0))
+    assert PriorityQueue.seat_victims(cap.queue, running, seats=2)  # the policy alone would preempt
+    assert cap.seat_victims(running, seats=2) == []  # but "law" has no room while "sql" runs
+    cap.push(request("c", "sql", 0))
+    assert [r.request_id for r in cap.seat_victims(running, seats=2)] == ["a2"]  # "c" takes the newer one's seat
+
+
+def test_drafts_are_verified_with_the_adapter_applied(served):
+    """Speculative decoding (prompt lookup) on requests of an adapter: the output is the merged
+    model's greedy output, drafts and all."""
+    _, _, merged, _ = served
+    llm = _llm(served, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    prompt = _prompt(12, seed=50) * 3  # repeats: prompt lookup finds drafts
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    output = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("all"))[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(merged["all"], prompt, 16)
+    assert output.metrics.spec_decode.num_draft_tokens > 0

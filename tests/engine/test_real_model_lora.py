@@ -1,6 +1,7 @@
 """LoRA adapters on the default model (SmolLM2-135M-Instruct, GGUF) against PEFT's merged model in
 transformers: a rank-8 adapter of every linear layer, the base in float32 (its blocks dequantized:
-the reference's numbers), logits within 2e-4 (as the base model's own parity, on the same paths)
+the reference's numbers), logits within 1e-4 (2e-4 through small chunks and decode steps, as the
+base model's own parity on the same paths)
 and greedy tokens identical, with requests of two adapters and the base model in one batch; and
 over the file's own blocks (the default weights), an adapter still changes the answers it should."""
 
@@ -61,8 +62,12 @@ def _logits(engine, name: str, token_ids: list[int], chunks: list[int]) -> torch
 def test_logits_with_an_adapter_match_the_merged_model(lora_llm, adapters):
     prompt = lora_llm.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[1]}])
     reference = hf_logits(adapters["first"][1], prompt)
-    for chunks in ([len(prompt)], [16, 9, 1, 1, len(prompt) - 27]):  # prefill, chunks, decode steps
-        assert (_logits(lora_llm.engine, "first", prompt, chunks) - reference).abs().max().item() < 2e-4
+    assert (_logits(lora_llm.engine, "first", prompt, [len(prompt)]) - reference).abs().max().item() < 1e-4
+    # Chunks of up to 16 tokens and decode steps run through the C matvec and the fused step, each
+    # fp32 computation within 1e-4 of the exact logits (test_real_model_parity.py): two of them
+    # within 2e-4 of each other.
+    chunks = [16, 9, 1, 1, len(prompt) - 27]
+    assert (_logits(lora_llm.engine, "first", prompt, chunks) - reference).abs().max().item() < 2e-4
 
 
 def test_two_adapters_and_the_base_model_in_one_batch_generate_what_each_merged_model_does(

@@ -35,8 +35,8 @@ def folders(tmp_path_factory):
 
 
 def _config(folders, **options) -> EngineConfig:
-    return EngineConfig(model=folders["base"], dtype="float32", quantization="none", num_kv_blocks=128,
-                        max_model_len=256, lora_modules=[f"qv={folders['qv']}"], **options)
+    return EngineConfig(**{"model": folders["base"], "dtype": "float32", "quantization": "none", "num_kv_blocks": 128,
+                           "max_model_len": 256, "lora_modules": [f"qv={folders['qv']}"], **options})
 
 
 @pytest.fixture(scope="module")
@@ -125,5 +125,27 @@ def test_an_adapters_cached_responses_are_its_own(folders, expected, real_embedd
             assert [status for status, _ in answers["tiny"]] == ["miss", "exact"]  # not qv's answer
             assert answers["qv"][0][1] == answers["qv"][1][1] and answers["tiny"][0][1] == answers["tiny"][1][1]
             assert answers["qv"][0][1] != answers["tiny"][0][1]
+    finally:
+        engine.shutdown()
+
+
+def test_a_tenant_sees_and_uses_only_the_adapters_its_keys_file_line_names(folders, tmp_path):
+    from brisk.transport.async_engine import AsyncEngine
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-a team_a adapters=qv\nkey-b team_b\n")
+    engine = AsyncEngine(_config(folders, lora_modules=[f"qv={folders['qv']}", f"mlp={folders['mlp']}"]))
+    try:
+        with running_server(engine, served_model_name="tiny", api_keys_file=str(keys)) as url:
+            restricted = openai.OpenAI(base_url=f"{url}/v1", api_key="key-a", max_retries=0)
+            everyone = openai.OpenAI(base_url=f"{url}/v1", api_key="key-b", max_retries=0)
+            assert {m.id for m in restricted.models.list().data} == {"tiny", "qv"}
+            assert {m.id for m in everyone.models.list().data} == {"tiny", "qv", "mlp"}
+            assert _answer(restricted, "qv") == _answer(everyone, "qv")
+            with pytest.raises(openai.NotFoundError):
+                _answer(restricted, "mlp")
+            with pytest.raises(openai.NotFoundError):
+                restricted.models.retrieve("mlp")
+            assert everyone.models.retrieve("mlp").parent == "tiny"
     finally:
         engine.shutdown()
