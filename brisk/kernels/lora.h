@@ -97,45 +97,46 @@ struct lora_batch {
                 for (int64_t q = 0; q < count; q++) t[batch->rows[first + q] * R + j] = sums[q] * scale;  \
             }                                                                                             \
         }                                                                                                 \
-        /* expand: a task is a block of outputs for every row; four of B^T's rows at a time */          \
+        /* expand: a task is one adapter's rows over a block of outputs, four of B^T's rows at a time; \
+         * adapter-major, so a thread streams one adapter's B^T at a time (its rank rows, a few      \
+         * streams), and tasks write disjoint parts of y (a row belongs to one segment) */           \
         const int64_t blocks = (n + LORA_COLUMNS - 1) / LORA_COLUMNS;                                     \
         _Pragma("omp for schedule(static)")                                                               \
-        for (int64_t block = 0; block < blocks; block++) {                                                \
+        for (int64_t task = 0; task < batch->num_adapters * blocks; task++) {                             \
+            const int64_t a = task / blocks, block = task % blocks;                                       \
             const int64_t lo = block * LORA_COLUMNS, hi = lo + LORA_COLUMNS < n ? lo + LORA_COLUMNS : n;  \
-            for (int64_t a = 0; a < batch->num_adapters; a++) {                                           \
-                const struct lora_projection *p = batch->adapters[a] + index;                             \
-                for (int64_t q = 0; q < p->num_pieces; q++) {                                             \
-                    const struct lora_piece *piece = p->pieces + q;                                       \
-                    const int64_t from = lo > piece->first_row ? lo : piece->first_row;                   \
-                    const int64_t end = piece->first_row + piece->rows, to = hi < end ? hi : end;         \
-                    if (from >= to) continue;                                                             \
-                    /* B^T's row r from this task's first output on */                                  \
-                    const T *bt = (const T *)piece->bt + (from - piece->first_row);                       \
-                    const int64_t stride = piece->rows, width = to - from;                                \
-                    float *restrict yi0 = y + from;                                                       \
-                    for (int64_t s = batch->starts[a]; s < batch->starts[a + 1]; s++) {                   \
-                        const int64_t i = batch->rows[s];                                                 \
-                        const float *ti = t + i * R + piece->first_rank;                                  \
-                        float *restrict yi = yi0 + i * n;                                                 \
-                        int64_t r = 0;                                                                    \
-                        for (; r + 4 <= piece->rank; r += 4) {                                            \
-                            const float t0 = ti[r], t1 = ti[r + 1], t2 = ti[r + 2], t3 = ti[r + 3];       \
-                            const T *restrict b0 = bt + r * stride, *restrict b1 = b0 + stride;           \
-                            const T *restrict b2 = b1 + stride, *restrict b3 = b2 + stride;               \
-                            _Pragma("omp simd")                                                           \
-                            for (int64_t o = 0; o < width; o++)                                           \
-                                yi[o] += t0 * LOAD(b0[o]) + t1 * LOAD(b1[o]) + t2 * LOAD(b2[o])           \
-                                         + t3 * LOAD(b3[o]);                                              \
-                        }                                                                                 \
-                        for (; r < piece->rank; r++) {                                                    \
-                            const float tr = ti[r];                                                       \
-                            const T *restrict column = bt + r * stride;                                   \
-                            _Pragma("omp simd")                                                           \
-                            for (int64_t o = 0; o < width; o++) yi[o] += tr * LOAD(column[o]);            \
-                        }                                                                                 \
-                    }                                                                                     \
-                }                                                                                         \
-            }                                                                                             \
+            const struct lora_projection *p = batch->adapters[a] + index;                                     \
+            for (int64_t q = 0; q < p->num_pieces; q++) {                                                     \
+                const struct lora_piece *piece = p->pieces + q;                                               \
+                const int64_t from = lo > piece->first_row ? lo : piece->first_row;                           \
+                const int64_t end = piece->first_row + piece->rows, to = hi < end ? hi : end;                 \
+                if (from >= to) continue;                                                                     \
+                /* B^T's row r from this task's first output on */                                            \
+                const T *bt = (const T *)piece->bt + (from - piece->first_row);                               \
+                const int64_t stride = piece->rows, width = to - from;                                        \
+                float *restrict yi0 = y + from;                                                               \
+                for (int64_t s = batch->starts[a]; s < batch->starts[a + 1]; s++) {                           \
+                    const int64_t i = batch->rows[s];                                                         \
+                    const float *ti = t + i * R + piece->first_rank;                                          \
+                    float *restrict yi = yi0 + i * n;                                                         \
+                    int64_t r = 0;                                                                            \
+                    for (; r + 4 <= piece->rank; r += 4) {                                                    \
+                        const float t0 = ti[r], t1 = ti[r + 1], t2 = ti[r + 2], t3 = ti[r + 3];               \
+                        const T *restrict b0 = bt + r * stride, *restrict b1 = b0 + stride;                   \
+                        const T *restrict b2 = b1 + stride, *restrict b3 = b2 + stride;                       \
+                        _Pragma("omp simd")                                                                   \
+                        for (int64_t o = 0; o < width; o++)                                                   \
+                            yi[o] += t0 * LOAD(b0[o]) + t1 * LOAD(b1[o]) + t2 * LOAD(b2[o])                   \
+                                     + t3 * LOAD(b3[o]);                                                      \
+                    }                                                                                         \
+                    for (; r < piece->rank; r++) {                                                            \
+                        const float tr = ti[r];                                                               \
+                        const T *restrict column = bt + r * stride;                                           \
+                        _Pragma("omp simd")                                                                   \
+                        for (int64_t o = 0; o < width; o++) yi[o] += tr * LOAD(column[o]);                    \
+                    }                                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
         }                                                                                                 \
     }
 
