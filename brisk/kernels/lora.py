@@ -26,9 +26,11 @@ here imports the rest of brisk.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from brisk.kernels.memory import huge_page_copies
 
 # The projections of a layer an adapter may update, in lora.h's order (enum lora_target)
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -86,8 +88,11 @@ class AdapterWeights:
 
     def __init__(self, num_layers: int, projections: dict[tuple[int, str], LoRAProjection]):
         self.num_layers = num_layers
-        self.projections = projections
         tensors = [t for p in projections.values() for t in (p.a, *(piece.bt for piece in p.pieces))]
+        if tensors and tensors[0].device.type == "cpu" and not any(t.requires_grad for t in tensors):
+            projections = _packed(projections)
+            tensors = [t for p in projections.values() for t in (p.a, *(piece.bt for piece in p.pieces))]
+        self.projections = projections
         self.dtype = tensors[0].dtype if tensors else torch.float32
         self.device = tensors[0].device if tensors else torch.device("cpu")
         if any(t.dtype != self.dtype or t.device != self.device or not t.is_contiguous() for t in tensors):
@@ -176,6 +181,17 @@ class LoRABatch:
             self._struct = _Batch(len(self.adapters), self.max_rank, self.dtype == torch.bfloat16, self.rows.data_ptr(),
                                   starts.data_ptr(), scales.data_ptr(), tables)
         return self._struct
+
+
+def _packed(projections: dict[tuple[int, str], LoRAProjection]) -> dict[tuple[int, str], LoRAProjection]:
+    """The same updates with every matrix copied into one huge-page mapping in the order a step
+    reads them (layer by layer, projection by projection, A before its B^T pieces): 16 adapters'
+    hundreds of small matrices were hundreds of separate 4 KiB-page streams (kernels/memory.py)."""
+    order = sorted(projections, key=lambda key: (key[0], PROJECTIONS.index(key[1])))
+    flat = [t for key in order for t in (projections[key].a, *(piece.bt for piece in projections[key].pieces))]
+    copies = iter(huge_page_copies(flat))
+    return {key: LoRAProjection(next(copies), tuple(replace(piece, bt=next(copies)) for piece in projections[key].pieces))
+            for key in order}
 
 
 def lora_add_torch(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str) -> None:

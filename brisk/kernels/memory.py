@@ -81,6 +81,18 @@ def move_to_huge_pages(module: nn.Module) -> None:
     _return_freed_heap()
 
 
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors laid one after another, each on a cache line, in one huge-page
+    mapping: what a step streams in this order reads one run of memory (a LoRA adapter's many
+    small matrices: kernels/lora.py)."""
+    arena = huge_page_buffer(sum(_padded(t) for t in tensors))
+    copies, offset = [], 0
+    for t in tensors:
+        copies.append(arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t))
+        offset += _padded(t)
+    return copies
+
+
 def _return_freed_heap() -> None:
     """The replaced tensors went back to glibc's heap, which keeps freed memory below its mmap
     threshold (up to 32 MiB a chunk) mapped: without a trim the move raised the int4 model's
