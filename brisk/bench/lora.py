@@ -8,7 +8,9 @@ reads each adapter of its batch once per projection (kernels/lora.py), so what a
 the bytes it adds to a step and the extra passes over the batch's rows; the table gives each
 setting's bytes beside its speed. Requests are chat questions answered to a fixed length (EOS
 ignored), greedy; speed is output tokens over the whole run, each row's median over the rounds,
-with every round's figure beside it.
+with every round's figure beside it, and its ratio to the base model's is the median of each
+round's ratio (this host's speed drifts by 20% between minutes; a round's settings run within
+seconds of each other).
 """
 
 from __future__ import annotations
@@ -87,10 +89,11 @@ def main(args) -> None:
         for _ in range(args.rounds):
             for label, adapters in settings.items():
                 rounds[label].append(run(llm, prompts, params, adapters))
-    base = statistics.median(rounds["base model alone"])
-    print("\n| setting | adapter bytes a step reads | output tok/s (median) | vs base | every round (output tok/s) |")
+    base = rounds["base model alone"]
+    print("\n| setting | adapter bytes a step reads | output tok/s (median) | vs base (median of the rounds' ratios) "
+          "| every round (output tok/s) |")
     print("|---|---:|---:|---:|---|")
     for label, speeds in rounds.items():
-        speed = statistics.median(speeds)
-        print(f"| {label} | {sizes[label] / 1e6:.3g} MB | {speed:.1f} | {speed / base:.2f} | "
+        ratio = statistics.median(s / b for s, b in zip(speeds, base))  # each against its own round's base
+        print(f"| {label} | {sizes[label] / 1e6:.3g} MB | {statistics.median(speeds):.1f} | {ratio:.2f} | "
               f"{', '.join(f'{s:.1f}' for s in speeds)} |")
