@@ -7,7 +7,7 @@ import importlib
 import json
 import os
 from types import ModuleType
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 import pytest
 import torch
@@ -133,3 +133,19 @@ def drop_chat_template(folder: str) -> str:
     with open(path, "w") as f:
         json.dump(config, f)
     return folder
+
+
+def run_interrupted(monkeypatch, trainer_cls, run: Callable[[], object], at_step: int = 3) -> None:
+    """Runs `run()` with `trainer_cls.step` raising KeyboardInterrupt (Ctrl-C) once the run has
+    made `at_step` steps; the run must let it through (after saving its state on the way out)."""
+    step = trainer_cls.step
+
+    def interrupt(self):
+        if self.state.step == at_step:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(trainer_cls, "step", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(trainer_cls, "step", step)

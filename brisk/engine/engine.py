@@ -133,7 +133,7 @@ class LLMEngine:
         return 4 * c.max_num_batched_tokens * per_token + logits + 2**30
 
     def _adapters_in_use(self) -> set[str]:
-        return {r.adapter for r in self.scheduler.requests.values() if r.adapter is not None}
+        return set(_adapters_of(self.scheduler.requests.values()))
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,

@@ -159,7 +159,6 @@ class Serving:
                  tenant_limits: dict[str, TenantLimits] | None = None):
         self.engine = engine
         self.tenants = TenantLedger(tenant_limits or {})
-        self.tenant_limits = tenant_limits or {}
         self.model_names = model_names  # aliases: requests may name any, responses report the first
         self.model_name = model_names[0]
         # LoRA adapters by name, as loaded through this server (and at the engine's start)
@@ -213,7 +212,7 @@ class Serving:
     # ----- checks ----------------------------------------------------------------------------
     def adapters_of(self, tenant: str) -> list[AdapterInfo]:
         """The adapters a tenant may use: every one, unless the keys file names its own."""
-        limits = self.tenant_limits.get(tenant)
+        limits = self.tenants.limits.get(tenant)
         return [a for a in self.adapters.values() if limits is None or limits.may_use(a.name)]
 
     def check_model(self, name: str | None, tenant: str = DEFAULT_TENANT) -> AdapterInfo | None:
@@ -222,8 +221,7 @@ class Serving:
         if name is None or name in self.model_names:
             return None
         adapter = self.adapters.get(name)
-        limits = self.tenant_limits.get(tenant)
-        if adapter is None or (limits is not None and not limits.may_use(name)):
+        if adapter is None or adapter not in self.adapters_of(tenant):
             raise APIError(404, f"The model `{name}` does not exist.", type="not_found_error", param="model",
                            code="model_not_found")
         return adapter

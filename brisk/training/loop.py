@@ -10,11 +10,61 @@ so the same command with the same output folder resumes where it stopped.
 from __future__ import annotations
 
 import math
+import os
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from brisk.config import ConfigError
 
 TIMED_STEPS = 3  # a budgeted run times this many steps, after a first one
+
+
+def check_knobs(config, own: tuple[tuple[str, bool, str], ...]) -> None:
+    """A run's flags checked: its own checks, then the schedule's every run shares; the first that
+    fails is a ConfigError naming the flag."""
+    shared = (("budget_minutes", config.budget_minutes is None or config.budget_minutes > 0, "must be > 0"),
+              ("steps", config.steps is None or config.steps >= 1, "must be >= 1"),
+              ("steps", config.steps is not None or config.budget_minutes is not None, "or --budget-minutes is needed"),
+              ("batch_size", config.batch_size >= 1, "must be >= 1"),
+              ("seq_len", config.seq_len >= 8, "must be >= 8"),
+              ("lr", 0 < config.lr < 1, "must be in (0, 1)"),
+              ("warmup_steps", config.warmup_steps >= 0, "must be >= 0"),
+              ("weight_decay", config.weight_decay >= 0, "must be >= 0"),
+              ("max_grad_norm", config.max_grad_norm > 0, "must be > 0"),
+              ("checkpoint_minutes", config.checkpoint_minutes > 0, "must be > 0"))
+    for name, ok, rule in (*own, *shared):
+        if not ok:
+            raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(config, name)!r}")
+
+
+def resumes(out: str, state_path: str) -> bool:
+    """Whether a run writing to `out` resumes an earlier one (its state at state_path); a
+    ConfigError where `out` exists and holds something else."""
+    resuming = os.path.exists(state_path)
+    if os.path.exists(out) and not resuming and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ConfigError(f"--out {out!r} exists and holds no run to resume: choose a new or empty folder")
+    return resuming
+
+
+def save_state(state: dict[str, Any], config, path: str) -> None:
+    """A run's state and its settings, written atomically (an interrupted write leaves the last one)."""
+    torch.save({"config": asdict(config), **state}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_state(path: str, config, weights_only: bool = True) -> dict[str, Any]:
+    """The state save_state wrote, refused (ConfigError) if the run had other settings than
+    `config` (the time budget and the checkpoint interval may change between sessions)."""
+    saved = torch.load(path, weights_only=weights_only)
+    ours, theirs = asdict(config), saved["config"]
+    changed = [k for k in ours if k not in ("budget_minutes", "checkpoint_minutes") and ours[k] != theirs[k]]
+    if changed:
+        raise ConfigError(f"{path} is a run with other settings ({', '.join(f'{k}={theirs[k]!r}' for k in changed)}):"
+                          f" resume with the same ones, or choose a new --out")
+    return saved
 
 
 def warmup_cosine(step: int, peak: float, warmup: int, total: int | None) -> float:

@@ -74,21 +74,10 @@ class TrainLoRAConfig:
     def __post_init__(self) -> None:
         if self.target_modules is None:
             object.__setattr__(self, "target_modules", list(ALL_LINEAR))
-        checks = (("data", self.data is not None, "is required"),
-                  ("rank", self.rank >= 1, "must be >= 1"), ("alpha", self.alpha > 0, "must be > 0"),
-                  ("target_modules", bool(self.target_modules), "must name at least one layer"),
-                  ("steps", self.steps is None or self.steps >= 1, "must be >= 1"),
-                  ("steps", self.steps is not None or self.budget_minutes is not None, "or --budget-minutes is needed"),
-                  ("budget_minutes", self.budget_minutes is None or self.budget_minutes > 0, "must be > 0"),
-                  ("batch_size", self.batch_size >= 1, "must be >= 1"), ("seq_len", self.seq_len >= 8, "must be >= 8"),
-                  ("lr", 0 < self.lr < 1, "must be in (0, 1)"), ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
-                  ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
-                  ("max_grad_norm", self.max_grad_norm > 0, "must be > 0"),
-                  ("heldout_fraction", 0 <= self.heldout_fraction < 0.5, "must be in [0, 0.5)"),
-                  ("checkpoint_minutes", self.checkpoint_minutes > 0, "must be > 0"))
-        for name, ok, rule in checks:
-            if not ok:
-                raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(self, name)!r}")
+        loop.check_knobs(self, (("data", self.data is not None, "is required"),
+                                ("rank", self.rank >= 1, "must be >= 1"), ("alpha", self.alpha > 0, "must be > 0"),
+                                ("target_modules", bool(self.target_modules), "must name at least one layer"),
+                                ("heldout_fraction", 0 <= self.heldout_fraction < 0.5, "must be in [0, 0.5)")))
 
 
 @dataclass(frozen=True)
@@ -261,18 +250,13 @@ class Trainer:
         return sum(losses) / len(self.heldout)
 
     def save(self, path: str) -> None:
-        torch.save({"config": asdict(self.config), "a": {k: v.detach() for k, v in self.lora.a.items()},
-                    "b": {k: v.detach() for k, v in self.lora.b.items()}, "optimizer": self.optimizer.state_dict(),
-                    "batches": self.batches.getstate(), "state": asdict(self.state)}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        loop.save_state({"a": {k: v.detach() for k, v in self.lora.a.items()},
+                         "b": {k: v.detach() for k, v in self.lora.b.items()},
+                         "optimizer": self.optimizer.state_dict(), "batches": self.batches.getstate(),
+                         "state": asdict(self.state)}, self.config, path)
 
     def restore(self, path: str) -> None:
-        saved = torch.load(path, weights_only=False)  # the batch generator's state is a tuple of ints
-        ours, theirs = asdict(self.config), saved["config"]
-        changed = [k for k in ours if k not in ("budget_minutes", "checkpoint_minutes") and ours[k] != theirs[k]]
-        if changed:
-            raise ConfigError(f"{path} is a run with other settings ({', '.join(f'{k}={theirs[k]!r}' for k in changed)}):"
-                              f" resume with the same ones, or choose a new --out")
+        saved = loop.load_state(path, self.config, weights_only=False)  # the batch generator's state is a tuple
         with torch.no_grad():
             for name, value in saved["a"].items():
                 self.lora.a[name].copy_(value)
@@ -309,9 +293,7 @@ def train_lora(model: str | None, out: str, config: TrainLoRAConfig, log: Callab
                progress: bool = False) -> TrainLoRAReport:
     """The whole run: the adapter folder at `out` (and the run's state under out/train-lora/)."""
     state_path = os.path.join(out, STATE_DIR, "state.pt")
-    resuming = os.path.exists(state_path)
-    if os.path.exists(out) and not resuming and not (os.path.isdir(out) and not os.listdir(out)):
-        raise ConfigError(f"--out {out!r} exists and holds no run to resume: choose a new or empty folder")
+    resuming = loop.resumes(out, state_path)
     if not os.path.isfile(config.data):
         raise ConfigError(f"--data {config.data!r}: no such file")
     checkpoint = open_checkpoint(model)

@@ -20,6 +20,7 @@ from brisk.training.distill.train import STATE_DIR, DistillConfig, Trainer, dist
 from brisk.model.loader import load_model, open_checkpoint
 from brisk.model.sequences import forward_sequences
 from tests.conftest import TINY_VOCAB, assert_no_leaks, build_tiny_checkpoint
+from tests.helpers import run_interrupted
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +104,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights(teacher_dir, corpus, tmp
     straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
     distill(teacher_dir, straight, _config(corpus, steps=6))
     config = _config(corpus, steps=6, teacher_data=os.path.join(straight, STATE_DIR, "data.pt"))
-    step = Trainer.step
-
-    def interrupt_at_3(self):
-        if self.state.step == 3:
-            raise KeyboardInterrupt  # Ctrl-C: the run saves its state on the way out
-        return step(self)
-
-    monkeypatch.setattr(Trainer, "step", interrupt_at_3)
-    with pytest.raises(KeyboardInterrupt):
-        distill(teacher_dir, interrupted, config)
-    monkeypatch.setattr(Trainer, "step", step)
+    run_interrupted(monkeypatch, Trainer, lambda: distill(teacher_dir, interrupted, config))
     assert distill(teacher_dir, interrupted, config).state.step == 6
     for (name, a), (_, b) in zip(_float_model(straight).named_parameters(), _float_model(interrupted).named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)

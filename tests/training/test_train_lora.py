@@ -15,6 +15,7 @@ from brisk import LLM, LoRARequest, SamplingParams
 from brisk.config import ConfigError
 from brisk.training.lora import STATE_DIR, Trainer, TrainLoRAConfig, train_lora
 from tests.conftest import build_tiny_checkpoint, hf_greedy, load_hf_reference
+from tests.helpers import run_interrupted
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +86,7 @@ def test_an_interrupted_run_resumes_to_the_same_adapter(base, data, tmp_path, mo
     straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
     config = _config(data, steps=6)
     train_lora(base, straight, config)
-    step = Trainer.step
-
-    def interrupt_at_3(self):
-        if self.state.step == 3:
-            raise KeyboardInterrupt  # Ctrl-C: the run saves its state on the way out
-        return step(self)
-
-    monkeypatch.setattr(Trainer, "step", interrupt_at_3)
-    with pytest.raises(KeyboardInterrupt):
-        train_lora(base, interrupted, config)
-    monkeypatch.setattr(Trainer, "step", step)
+    run_interrupted(monkeypatch, Trainer, lambda: train_lora(base, interrupted, config))
     assert (tmp_path / "interrupted" / STATE_DIR / "state.pt").exists()
     assert train_lora(base, interrupted, config).state.step == 6
     ours, theirs = (load_file(f"{folder}/adapter_model.safetensors") for folder in (straight, interrupted))

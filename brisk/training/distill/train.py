@@ -89,15 +89,6 @@ class DistillConfig:
             ("intermediate", self.intermediate is None or (self.intermediate > 0
                                                            and self.intermediate % WIDTH_MULTIPLE == 0),
              f"must be a positive multiple of {WIDTH_MULTIPLE} (quantization groups must divide a row)"),
-            ("budget_minutes", self.budget_minutes is None or self.budget_minutes > 0, "must be > 0"),
-            ("steps", self.steps is None or self.steps >= 1, "must be >= 1"),
-            ("steps", self.steps is not None or self.budget_minutes is not None, "or --budget-minutes is needed"),
-            ("batch_size", self.batch_size >= 1, "must be >= 1"),
-            ("seq_len", self.seq_len >= 8, "must be >= 8"),
-            ("lr", 0 < self.lr < 1, "must be in (0, 1)"),
-            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
-            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
-            ("max_grad_norm", self.max_grad_norm > 0, "must be > 0"),
             ("kd_weight", 0 <= self.kd_weight <= 1, "must be in [0, 1]"),
             ("kd_temperature", self.kd_temperature > 0, "must be > 0"),
             ("top_k", self.top_k >= 1, "must be >= 1"),
@@ -105,11 +96,8 @@ class DistillConfig:
             ("num_prompts", self.num_prompts is None or self.num_prompts >= 2, "must be >= 2"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
             ("heldout_fraction", 0 < self.heldout_fraction < 0.5, "must be in (0, 0.5)"),
-            ("checkpoint_minutes", self.checkpoint_minutes > 0, "must be > 0"),
         )
-        for name, ok, rule in checks:
-            if not ok:
-                raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(self, name)!r}")
+        loop.check_knobs(self, checks)
 
     def data_config(self) -> teacher_data.DataConfig:
         return teacher_data.DataConfig(self.seq_len, self.top_k, self.num_prompts, self.max_new_tokens,
@@ -217,18 +205,11 @@ class Trainer:
 
     def save(self, path: str) -> None:
         """The run's state (weights, optimizer, batch generator, losses), written atomically."""
-        torch.save({"config": asdict(self.config), "model": self.student.state_dict(),
-                    "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
-                    "state": asdict(self.state)}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        loop.save_state({"model": self.student.state_dict(), "optimizer": self.optimizer.state_dict(),
+                         "generator": self.generator.get_state(), "state": asdict(self.state)}, self.config, path)
 
     def restore(self, path: str) -> None:
-        saved = torch.load(path, weights_only=True)
-        ours, theirs = asdict(self.config), saved["config"]
-        changed = [k for k in ours if k not in ("budget_minutes", "checkpoint_minutes") and ours[k] != theirs[k]]
-        if changed:
-            raise ConfigError(f"{path} is a run with other settings ({', '.join(f'{k}={theirs[k]!r}' for k in changed)}):"
-                              f" resume with the same ones, or choose a new --out")
+        saved = loop.load_state(path, self.config)
         self.student.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.generator.set_state(saved["generator"])
@@ -240,9 +221,7 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     """The whole run: the student folder at `out` (and its state under out/distill/)."""
     state_dir = os.path.join(out, STATE_DIR)
     state_path, data_path = os.path.join(state_dir, "state.pt"), os.path.join(state_dir, "data.pt")
-    resuming = os.path.exists(state_path)
-    if os.path.exists(out) and not resuming and not (os.path.isdir(out) and not os.listdir(out)):
-        raise ConfigError(f"--out {out!r} exists and holds no run to resume: choose a new or empty folder")
+    resuming = loop.resumes(out, state_path)
     teacher = open_checkpoint(model)
     if teacher.layout is not None:
         raise ConfigError(f"{teacher.path} is a `brisk quantize` folder ({teacher.layout}): distill from the float "
