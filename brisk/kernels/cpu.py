@@ -456,14 +456,21 @@ def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -
     return out
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str) -> None:
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str,
+             march: str = "native") -> None:
     """In place on float32 y [m, n]: each adapter's update of one projection of one layer added to
-    its rows, for float32 x [m, k] (lora.h)."""
-    assert y.is_contiguous() and lora.adapters[0].device.type == "cpu"
+    its rows, for float32 x [m, k] (lora.h). march: see _library."""
+    assert y.is_contiguous() and lora.packed
     x = x.contiguous()
-    _check(_library("lora.c").lora_add(ctypes.byref(lora.struct()),
+    _check(_library("lora.c", march=march).lora_add(ctypes.byref(lora.struct()),
                                        layer * len(LORA_PROJECTIONS) + LORA_PROJECTIONS.index(projection),
                                        x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], y.shape[1]), "lora_add")
+
+
+def lora_bf16_products(march: str = "native") -> bool:
+    """Whether the LoRA kernels built for `march` multiply bfloat16 adapters' operands as bfloat16
+    (activations and t rounded to it, as PEFT's bf16 layers do) rather than in float32 (lora.h)."""
+    return bool(ctypes.c_int.in_dll(_library("lora.c", march=march), "lora_bf16_products").value)
 
 
 def quantize_rows_int8(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -658,8 +665,7 @@ class CBackend(KernelBackend):
     def lora_add(self, y, x, lora, layer, projection):
         """float32 activations in place; bf16 ones (a bf16 model layer by layer) through a float32
         update added once, as the kernel reads float32 activations."""
-        if not (_on_cpu(x) and _on_cpu(y) and lora.rows.device.type == "cpu" and not wants_grad(x, y)
-                and not (torch.is_grad_enabled() and lora.requires_grad)):
+        if not (_on_cpu(x) and _on_cpu(y) and lora.packed and not wants_grad(x, y)):
             super().lora_add(y, x, lora, layer, projection)
         elif y.dtype == torch.float32:
             lora_add(y, x.float(), lora, layer, projection)

@@ -6,6 +6,9 @@
 #include "lora.h"
 #include "status.h"
 
+/* Whether bfloat16 adapters' operands are multiplied as bfloat16 in this build (lora.h) */
+const int lora_bf16_products = LORA_BF16_PRODUCTS;
+
 int lora_add(const struct lora_batch *batch, int64_t index, const float *x, float *y, int64_t m, int64_t k,
              int64_t n) {
     float *t = scratch_floats(m * batch->max_rank);

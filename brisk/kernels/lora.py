@@ -34,25 +34,32 @@ from brisk.kernels.memory import huge_page_copies
 
 # The projections of a layer an adapter may update, in lora.h's order (enum lora_target)
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+COLUMNS = 128  # lora.h's LORA_COLUMNS: the outputs a tile of B^T holds
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @dataclass(frozen=True)
 class LoRAPiece:
     """One adapted module's B inside a fused projection, kept transposed: the expand adds t[i, r]
-    times row r of B^T, a contiguous run along the outputs (lora.h)."""
+    times row r of B^T, a contiguous run along the outputs. An adapter packed for the C kernels
+    keeps it in their tiles (`tiled`, lora.h), `shape` then saying what it holds."""
 
     first_row: int  # the projection's output its first row of B adds to
     first_rank: int  # where its columns of t start (its A's rows in the stacked A)
-    bt: torch.Tensor  # B^T, [rank, rows], the scaling folded in
+    bt: torch.Tensor  # B^T, [rank, rows], the scaling folded in; or its tiles, flat
+    shape: tuple[int, int] | None = None  # (rank, rows) where bt is tiles
 
     @property
     def rank(self) -> int:
-        return self.bt.shape[0]
+        return (self.shape or self.bt.shape)[0]
 
     @property
     def rows(self) -> int:
-        return self.bt.shape[1]
+        return (self.shape or self.bt.shape)[1]
+
+    def matrix(self) -> torch.Tensor:
+        """B^T, [rank, rows] (rebuilt from the tiles of a packed adapter)."""
+        return self.bt if self.shape is None else untiled(self.bt, *self.shape)
 
 
 @dataclass(frozen=True)
@@ -83,13 +90,16 @@ class _Batch(ctypes.Structure):  # struct lora_batch
 class AdapterWeights:
     """One adapter's updates of a model's layers, in one dtype, on one device: what a step reads.
 
-    On CPU it also holds the C kernels' table of them (num_layers x PROJECTIONS `lora_projection`
-    structs), built once here and pointing into the tensors this object keeps."""
+    On CPU, unless in training (`packed`), it is laid out for the C kernels (`_packed`) and holds
+    their table of it (num_layers x PROJECTIONS `lora_projection` structs), built once here and
+    pointing into the tensors this object keeps; a training adapter's tensors are autograd's
+    leaves, read by `lora_add_torch`."""
 
     def __init__(self, num_layers: int, projections: dict[tuple[int, str], LoRAProjection]):
         self.num_layers = num_layers
         tensors = [t for p in projections.values() for t in (p.a, *(piece.bt for piece in p.pieces))]
-        if tensors and tensors[0].device.type == "cpu" and not any(t.requires_grad for t in tensors):
+        self.packed = bool(tensors) and tensors[0].device.type == "cpu" and not any(t.requires_grad for t in tensors)
+        if self.packed:
             projections = _packed(projections)
             tensors = [t for p in projections.values() for t in (p.a, *(piece.bt for piece in p.pieces))]
         self.projections = projections
@@ -98,10 +108,9 @@ class AdapterWeights:
         if any(t.dtype != self.dtype or t.device != self.device or not t.is_contiguous() for t in tensors):
             raise ValueError("an adapter's tensors must share one dtype and device and be contiguous")
         self.max_rank = max((p.rank for p in projections.values()), default=0)
-        self.requires_grad = any(t.requires_grad for t in tensors)  # an adapter in training (training/lora.py)
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._table = self._pieces = None
-        if self.device.type == "cpu":
+        if self.packed:
             self._pieces = [(_Piece * len(p.pieces))(*(
                 _Piece(piece.first_row, piece.rows, piece.first_rank, piece.rank, piece.bt.data_ptr())
                 for piece in p.pieces)) for p in projections.values()]
@@ -117,9 +126,9 @@ class AdapterWeights:
 
     @property
     def table(self) -> ctypes.Array:
-        """The C kernels' table (CPU adapters only)."""
+        """The C kernels' table (packed adapters only: on CPU, not in training)."""
         if self._table is None:
-            raise ValueError("the C kernels read adapters in CPU memory")
+            raise ValueError("the C kernels read packed adapters: in CPU memory and not in training")
         return self._table
 
 
@@ -160,8 +169,9 @@ class LoRABatch:
         return max(a.max_rank for a in self.adapters)
 
     @property
-    def requires_grad(self) -> bool:
-        return any(a.requires_grad for a in self.adapters)
+    def packed(self) -> bool:
+        """Every adapter laid out for the C kernels (AdapterWeights.packed)."""
+        return all(a.packed for a in self.adapters)
 
     def segments(self):
         """(adapter, scale, its rows) for each segment of the step."""
@@ -184,14 +194,44 @@ class LoRABatch:
 
 
 def _packed(projections: dict[tuple[int, str], LoRAProjection]) -> dict[tuple[int, str], LoRAProjection]:
-    """The same updates with every matrix copied into one huge-page mapping in the order a step
-    reads them (layer by layer, projection by projection, A before its B^T pieces): 16 adapters'
-    hundreds of small matrices were hundreds of separate 4 KiB-page streams (kernels/memory.py)."""
+    """The same updates for the C kernels: every matrix copied into one huge-page mapping in the
+    order a step reads them (layer by layer, projection by projection, A before its pieces' B^T),
+    B^T in the kernels' tiles. 16 adapters' hundreds of small matrices were hundreds of separate
+    4 KiB-page streams (kernels/memory.py)."""
     order = sorted(projections, key=lambda key: (key[0], PROJECTIONS.index(key[1])))
-    flat = [t for key in order for t in (projections[key].a, *(piece.bt for piece in projections[key].pieces))]
+    flat = [t for key in order for t in (projections[key].a, *(tiled(piece.bt) for piece in projections[key].pieces))]
     copies = iter(huge_page_copies(flat))
-    return {key: LoRAProjection(next(copies), tuple(replace(piece, bt=next(copies)) for piece in projections[key].pieces))
+    return {key: LoRAProjection(next(copies), tuple(replace(piece, bt=next(copies), shape=(piece.rank, piece.rows))
+                                                    for piece in projections[key].pieces))
             for key in order}
+
+
+def _group(dtype: torch.dtype) -> int:
+    """Ranks a tile interleaves: bfloat16 pairs, the operands of AVX-512 BF16's dot products (lora.h)."""
+    return 2 if dtype == torch.bfloat16 else 1
+
+
+def tiled(bt: torch.Tensor) -> torch.Tensor:
+    """B^T [rank, rows] in lora.h's tiles, flat: COLUMNS outputs a tile (the last fewer), its ranks
+    in groups (an odd last rank paired with zeros), group after group, each output-major."""
+    rank, rows = bt.shape
+    group = _group(bt.dtype)
+    grouped = torch.zeros(-(-rank // group) * group, rows, dtype=bt.dtype)
+    grouped[:rank] = bt
+    grouped = grouped.view(-1, group, rows)
+    return torch.cat([grouped[:, :, lo:lo + COLUMNS].transpose(1, 2).reshape(-1) for lo in range(0, rows, COLUMNS)])
+
+
+def untiled(tiles: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
+    """`tiled`'s inverse: B^T, [rank, rows]."""
+    group = _group(tiles.dtype)
+    groups, parts, at = -(-rank // group), [], 0
+    for lo in range(0, rows, COLUMNS):
+        width = min(COLUMNS, rows - lo)
+        parts.append(tiles[at:at + groups * width * group].view(groups, width, group).transpose(1, 2)
+                     .reshape(groups * group, width))
+        at += groups * width * group
+    return torch.cat(parts, dim=1)[:rank]
 
 
 def lora_add_torch(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str) -> None:
@@ -203,5 +243,5 @@ def lora_add_torch(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int
         t = (x[rows].float() @ update.a.float().t()) * scale
         for piece in update.pieces:
             cols = slice(piece.first_row, piece.first_row + piece.rows)
-            delta = t[:, piece.first_rank:piece.first_rank + piece.rank] @ piece.bt.float()
+            delta = t[:, piece.first_rank:piece.first_rank + piece.rank] @ piece.matrix().float()
             y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)

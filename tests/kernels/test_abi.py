@@ -1,10 +1,11 @@
 """The ctypes side of the C kernels (kernels/cpu.py) against the C declarations, which it mirrors
 by hand: every exported function's argument and return kinds against `_SIGNATURES` and
 `_STATUS_KERNELS`, every struct's size and fields' offsets, sizes and kinds against the ctypes
-Structures, and the constants Python copies (`_FORMAT_IDS`, `QUANT_MATVEC_MAX_ROWS`). The C side
-is read as the compiler sees it: sources preprocessed with cpu.py's own flags and shape defines
-(functions), and a probe program built from them that prints sizeof/offsetof (structs and
-constants). Last, the kernels that allocate are run out of memory: they must say so, not crash."""
+Structures, and the constants Python copies (`_FORMAT_IDS`, `QUANT_MATVEC_MAX_ROWS`, lora.py's
+`COLUMNS` and `PROJECTIONS`). The C side is read as the compiler sees it: sources preprocessed
+with cpu.py's own flags and shape defines (functions), and a probe program built from them that
+prints sizeof/offsetof (structs and constants). Last, the kernels that allocate are run out of
+memory: they must say so, not crash."""
 
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ def probe(tmp_path_factory) -> dict[tuple[str, ...], int]:
             lines.append(f'printf("field {struct} {name} %zu %zu %d\\n", offsetof(struct {struct}, {name}), '
                          f'sizeof(((struct {struct} *)0)->{name}), '
                          f'__builtin_classify_type((struct {struct}){{0}}.{name}));')
-    for constant in ["MATVEC_MAX_ROWS", "KERNEL_OK", *_enumerators("weight_format")]:
+    for constant in ["MATVEC_MAX_ROWS", "KERNEL_OK", "LORA_COLUMNS", *_enumerators("weight_format")]:
         lines.append(f'printf("const {constant} %lld\\n", (long long){constant});')
     folder = tmp_path_factory.mktemp("abi")
     program = folder / "probe.c"
@@ -222,6 +223,8 @@ def test_the_constants_python_copies_match_c(probe):
     assert {f"WEIGHT_{name.upper()}" for name in cpu_kernels._FORMAT_IDS} == set(_enumerators("weight_format"))
     for name, value in cpu_kernels._FORMAT_IDS.items():
         assert probe["const", f"WEIGHT_{name.upper()}"] == value, name
+    assert kernel_lora.COLUMNS == probe["const", "LORA_COLUMNS"]  # the tiles lora.py packs B^T in
+    assert _enumerators("lora_target") == [f"LORA_{p.upper()}" for p in kernel_lora.PROJECTIONS] + ["LORA_PROJECTIONS"]
 
 
 @pytest.fixture
