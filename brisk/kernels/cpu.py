@@ -665,7 +665,7 @@ class CBackend(KernelBackend):
     def lora_add(self, y, x, lora, layer, projection):
         """float32 activations in place; bf16 ones (a bf16 model layer by layer) through a float32
         update added once, as the kernel reads float32 activations."""
-        if not (_on_cpu(x) and _on_cpu(y) and lora.packed and not wants_grad(x, y)):
+        if not (lora.packed and _on_cpu(x) and _on_cpu(y) and not wants_grad(x, y)):
             super().lora_add(y, x, lora, layer, projection)
         elif y.dtype == torch.float32:
             lora_add(y, x.float(), lora, layer, projection)

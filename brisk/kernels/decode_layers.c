@@ -128,7 +128,10 @@ static int rounds_activations(const struct decode_model *model) {
             qmatmul_a8(w, x, y, m, a8);                                                                   \
         else                                                                                              \
             qmatvec(w, x, y, m);                                                                          \
-        if (lora) lora_add_rows(lora, index, x, y, w->cols, w->rows, t);                                  \
+        if (lora) {                                                                                       \
+            lora_add_rows(lora, index, x, y, w->cols, w->rows, t);                                        \
+            _Pragma("omp barrier") /* the next op reads every row of y */                                 \
+        }                                                                                                 \
     }
 
 #define DEFINE_DECODE_LAYERS(WS, T, LOAD, CS, CT, LOAD_C, STORE_HEAD, SCALED)                             \

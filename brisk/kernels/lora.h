@@ -28,8 +28,8 @@
  * t stays float32. Elsewhere, and for float32 adapters, the arithmetic is float32.
  *
  * Both halves run over a parallel region's threads (orphaned worksharing): inside decode_layers.c's
- * region the region's threads share them, and lora.c's lora_add opens a region of its own; each
- * call ends on a barrier. How the work is cut: lora_add_rows_of. Scratch t: [rows of the step,
+ * region the region's threads share them (and put a barrier after them before reading y), and
+ * lora.c's lora_add opens a region of its own. How the work is cut: lora_add_rows_of. Scratch t: [rows of the step,
  * max_rank] floats.
  */
 #ifndef BRISK_LORA_H
@@ -380,7 +380,6 @@ LORA_INLINE void lora_add_rows_of(const struct lora_batch *batch, int64_t index,
             for (int64_t q = 0; q < p->num_pieces; q++)
                 lora_expand_rows(batch, a, p->pieces + q, 0, lora_tiles(p->pieces + q), t, y, n, bf16);
         }
-#pragma omp barrier
         return;
     }
     const int64_t chunks = (batch->max_rank + LORA_RANKS - 1) / LORA_RANKS;
@@ -413,7 +412,6 @@ LORA_INLINE void lora_add_rows_of(const struct lora_batch *batch, int64_t index,
             seen += tiles;
         }
     }
-#pragma omp barrier
 }
 
 static void lora_add_rows(const struct lora_batch *batch, int64_t index, const float *x, float *y, int64_t k,

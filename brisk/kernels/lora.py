@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -168,9 +169,9 @@ class LoRABatch:
     def max_rank(self) -> int:
         return max(a.max_rank for a in self.adapters)
 
-    @property
+    @cached_property
     def packed(self) -> bool:
-        """Every adapter laid out for the C kernels (AdapterWeights.packed)."""
+        """Every adapter laid out for the C kernels (AdapterWeights.packed); asked at every call."""
         return all(a.packed for a in self.adapters)
 
     def segments(self):
