@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from brisk.kernels.attention import AttentionMetadata, PrefillSpan, decode_attention_torch, prefill_attention_torch
 from brisk.kernels.kv_cache import KVCacheLayer
-from brisk.kernels.lora import LoRABatch, lora_add_torch
+from brisk.kernels.lora import LoRABatch, LoRAUpdate, lora_add_torch
 
 
 # The gated MLPs' activations: SiLU (Llama, Qwen, Mistral), GELU with the tanh approximation
@@ -82,6 +82,12 @@ class KernelBackend:
         """In place on y [T, n], a projection's output for x [T, k]: each adapter of the step adds
         its update of that projection of that layer to its own rows (kernels/lora.py)."""
         lora_add_torch(y, x, lora, layer, projection)
+
+    def adapted(self, y: torch.Tensor, x: torch.Tensor, lora: LoRAUpdate | None) -> torch.Tensor:
+        """y, a projection's output for x, with `lora`'s update added in place where there is one."""
+        if lora is not None:
+            self.lora_add(y, x, *lora)
+        return y
 
     # --- attention ----------------------------------------------------------------------------
 
@@ -146,11 +152,12 @@ class KernelBackend:
 
     # --- quantized weights --------------------------------------------------------------------
 
-    def quant_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
+    def quant_linear(self, x: torch.Tensor, layer, lora: LoRAUpdate | None = None) -> torch.Tensor:
         """x [T, cols] @ W^T (+ bias) -> [T, rows] in x's dtype, for a quantized layer (its
-        `qweight`, `bias`, `format` and `kernel_weight()`): here by the dequantized matrix."""
+        `qweight`, `bias`, `format` and `kernel_weight()`), plus `lora`'s update where there is
+        one: here by the dequantized matrix."""
         bias = None if layer.bias is None else layer.bias.to(x.dtype)
-        return F.linear(x, layer.qweight.dequantize().to(x.dtype), bias)
+        return self.adapted(F.linear(x, layer.qweight.dequantize().to(x.dtype), bias), x, lora)
 
     def weight_layout(self, weight, int8_activations: bool):
         """The QuantizedTensor `weight` in the layout this backend's products read fastest (with

@@ -29,7 +29,7 @@ import torch
 
 from brisk.kernels.backend import ACTIVATIONS, KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
-from brisk.kernels.lora import PROJECTIONS as LORA_PROJECTIONS, LoRABatch
+from brisk.kernels.lora import PROJECTIONS as LORA_PROJECTIONS, LoRABatch, LoRAUpdate
 from brisk.kernels.lora import _Batch as _LoRABatch
 from brisk.kernels.packed import (GROUP_SIZES, GROUPED_FORMATS, TILE_BLOCK_BYTES, MixedTensor, QuantizedTensor,
                                   tile_rows, tiles_rows)
@@ -58,7 +58,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "scale_int32": [_PTR, _I64, _I64] + [_PTR] * 4,
     "rope_write_kv": [_PTR] * 13 + [ctypes.c_float] + [_I64] * 3,
     "decode_layers": [_PTR] * 4,
-    "quant_linear": [_PTR] * 3 + [_I64],
+    "quant_linear": [_PTR] * 3 + [_I64, _PTR, _I64],
     "lora_add": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
 }
 # The kernels that allocate scratch return a kernel_status (kernels/status.h, checked by _check);
@@ -447,12 +447,16 @@ class KernelWeight:
         return cls(struct, [t for p in parts for t in p._tensors], table)
 
 
-def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native") -> torch.Tensor:
-    """x [m, cols] float32 @ weight^T (+ bias) -> float32 [m, rows]. march: see _library."""
+def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native",
+                 lora: LoRAUpdate | None = None) -> torch.Tensor:
+    """x [m, cols] float32 @ weight^T (+ bias) -> float32 [m, rows], plus with `lora` (packed
+    adapters) the step's adapters' update, in the same call. march: see _library."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.rows)
+    batch = None if lora is None else ctypes.byref(lora.batch.struct())
     _check(_library("quant_linear.c", march=march).quant_linear(ctypes.byref(weight.struct), x.data_ptr(),
-                                                                out.data_ptr(), x.shape[0]), "quant_linear")
+                                                                out.data_ptr(), x.shape[0], batch,
+                                                                0 if lora is None else lora.index), "quant_linear")
     return out
 
 
@@ -674,10 +678,14 @@ class CBackend(KernelBackend):
             lora_add(update, x.float(), lora, layer, projection)
             y += update.to(y.dtype)
 
-    def quant_linear(self, x, layer):
-        if x.device.type == "cpu":
-            return quant_linear(x.float(), layer.kernel_weight()).to(x.dtype)
-        return super().quant_linear(x, layer)
+    def quant_linear(self, x, layer, lora=None):
+        """The adapters' update in the product's own call where the step's adapters are packed
+        and the activations float32 (a bf16 model's go through a float32 update: lora_add)."""
+        if x.device.type != "cpu":
+            return super().quant_linear(x, layer, lora)
+        if lora is not None and not (lora.batch.packed and x.dtype == torch.float32):
+            return self.adapted(quant_linear(x.float(), layer.kernel_weight()).to(x.dtype), x, lora)
+        return quant_linear(x.float(), layer.kernel_weight(), lora=lora).to(x.dtype)
 
     def weight_layout(self, weight, int8_activations):
         if int8_activations and weight.data.device.type == "cpu":

@@ -83,7 +83,7 @@ class TritonBackend(KernelBackend):
         else:
             super().prefill_attention(q, cache, meta, scale, out, window)
 
-    def quant_linear(self, x, layer):
+    def quant_linear(self, x, layer, lora=None):
         if self._serves(x) and layer.format in self._quant.FORMATS:
-            return self._quant.quant_linear(x, layer.qweight, layer.bias)
-        return super().quant_linear(x, layer)
+            return self.adapted(self._quant.quant_linear(x, layer.qweight, layer.bias), x, lora)
+        return super().quant_linear(x, layer, lora)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 from functools import cached_property
 
 import torch
@@ -192,6 +193,20 @@ class LoRABatch:
             self._struct = _Batch(len(self.adapters), self.max_rank, self.dtype == torch.bfloat16, self.rows.data_ptr(),
                                   starts.data_ptr(), scales.data_ptr(), tables)
         return self._struct
+
+
+class LoRAUpdate(NamedTuple):
+    """What one projection of one layer adds for a step's adapters (a linear layer's `lora`):
+    `kernels.lora_add(y, x, *update)` adds it."""
+
+    batch: LoRABatch
+    layer: int
+    projection: str
+
+    @property
+    def index(self) -> int:
+        """Its place in an adapter's table (lora.h: layer * LORA_PROJECTIONS + enum lora_target)."""
+        return self.layer * len(PROJECTIONS) + PROJECTIONS.index(self.projection)
 
 
 def _packed(projections: dict[tuple[int, str], LoRAProjection]) -> dict[tuple[int, str], LoRAProjection]:

@@ -4,36 +4,57 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "lora.h"
 #include "quant.h"
 #include "quant_gemm.h"
 #include "status.h"
 
 #define MATVEC_MAX_ROWS 8 /* up to here each weight block is multiplied into every row in registers */
 
-/* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias). Returns a kernel_status (status.h). With
- * activations rounded to int8, past QG_MIN_ROWS rows: the panel product (quant_gemm.h). Else past
- * MATVEC_MAX_ROWS each thread dequantizes into a float panel of its own. */
-int quant_linear(const struct weight *w, const float *x, float *y, int64_t m) {
+/* y [m, w->rows] = x [m, w->cols] @ w^T (+ bias), plus, with `lora`, the step's adapters' updates
+ * of projection `index` on their rows (lora.h), in the same parallel region: one call and one
+ * region a projection instead of two. Returns a kernel_status (status.h). With activations rounded
+ * to int8, past QG_MIN_ROWS rows: the panel product (quant_gemm.h). Else past MATVEC_MAX_ROWS
+ * each thread dequantizes into a float panel of its own. Each product ends on its worksharing
+ * loop's barrier, so the adapters add to a finished y. */
+int quant_linear(const struct weight *w, const float *x, float *y, int64_t m, const struct lora_batch *lora,
+                 int64_t index) {
+    float *t = lora ? scratch_floats(m * lora->max_rank) : NULL;
+    if (lora && !t) return KERNEL_OUT_OF_MEMORY;
+    int status = KERNEL_OK;
     if (w->quantize_activations && m > QG_MIN_ROWS) {
         struct qg_scratch scratch;
-        if (qg_scratch_alloc(&scratch, m, w->cols, omp_get_max_threads()) != KERNEL_OK) return KERNEL_OUT_OF_MEMORY;
+        status = qg_scratch_alloc(&scratch, m, w->cols, omp_get_max_threads());
+        if (status == KERNEL_OK) {
+            _Pragma("omp parallel")
+            {
+                qmatmul_a8(w, x, y, m, &scratch);
+                if (lora) lora_add_rows(lora, index, x, y, w->cols, w->rows, t);
+            }
+            qg_scratch_free(&scratch);
+        }
+    } else if (m <= MATVEC_MAX_ROWS) {
         _Pragma("omp parallel")
-        qmatmul_a8(w, x, y, m, &scratch);
-        qg_scratch_free(&scratch);
-        return KERNEL_OK;
+        {
+            qmatvec(w, x, y, m);
+            if (lora) lora_add_rows(lora, index, x, y, w->cols, w->rows, t);
+        }
+    } else {
+        const int64_t panel_floats = cache_lines_of_floats(QPANEL * w->cols);
+        float *panels = scratch_floats(omp_get_max_threads() * panel_floats);
+        if (panels == NULL) {
+            status = KERNEL_OUT_OF_MEMORY;
+        } else {
+            _Pragma("omp parallel")
+            {
+                qmatmul(w, x, y, m, panels + omp_get_thread_num() * panel_floats);
+                if (lora) lora_add_rows(lora, index, x, y, w->cols, w->rows, t);
+            }
+            free(panels);
+        }
     }
-    if (m <= MATVEC_MAX_ROWS) {
-        _Pragma("omp parallel")
-        qmatvec(w, x, y, m);
-        return KERNEL_OK;
-    }
-    const int64_t panel_floats = cache_lines_of_floats(QPANEL * w->cols);
-    float *panels = scratch_floats(omp_get_max_threads() * panel_floats);
-    if (panels == NULL) return KERNEL_OUT_OF_MEMORY;
-    _Pragma("omp parallel")
-    qmatmul(w, x, y, m, panels + omp_get_thread_num() * panel_floats);
-    free(panels);
-    return KERNEL_OK;
+    free(t);
+    return status;
 }
 
 /* The int8 GEMM path of w8a8 (quant/modules.py: the torch code there is the reference), around

@@ -13,6 +13,7 @@ from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.backend import KernelBackend
+from brisk.kernels.lora import LoRAUpdate
 
 
 class Linear(nn.Linear):
@@ -20,8 +21,9 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoRAUpdate | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias), plus `lora`'s update (the step's adapters' on their rows) where there is one."""
+        return self.kernels.adapted(self.kernels.linear(x, self.weight, self.bias), x, lora)
 
     def kernel_weight(self) -> cpu_kernels.KernelWeight:
         """The weight as the fused decode step reads it (quantized layers have the same method)."""

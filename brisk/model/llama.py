@@ -30,7 +30,7 @@ from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.attention import AttentionMetadata
 from brisk.kernels.backend import KernelBackend
 from brisk.kernels.kv_cache import KVCacheLayer
-from brisk.kernels.lora import LoRABatch
+from brisk.kernels.lora import LoRABatch, LoRAUpdate
 from brisk.kernels.packed import QuantizedTensor
 from brisk.model.hparams import HParams
 from brisk.model.linear import Linear
@@ -56,11 +56,9 @@ class RMSNorm(nn.Module):
 
 
 def project(linear: nn.Module, x: torch.Tensor, lora: LoRABatch | None, layer: int, name: str) -> torch.Tensor:
-    """linear(x), plus the step's adapters' updates of projection `name` of `layer` on their rows."""
-    y = linear(x)
-    if lora is not None:
-        linear.kernels.lora_add(y, x, lora, layer, name)
-    return y
+    """linear(x), plus the step's adapters' updates of projection `name` of `layer` on their rows
+    (the linear layer adds them: the C kernels in the product's own call)."""
+    return linear(x) if lora is None else linear(x, LoRAUpdate(lora, layer, name))
 
 
 class Attention(nn.Module):

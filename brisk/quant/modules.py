@@ -16,6 +16,7 @@ from torch import nn
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.backend import KernelBackend
+from brisk.kernels.lora import LoRAUpdate
 from brisk.quant.formats import MixedTensor, QuantizedTensor, quantize, stack
 
 # `quantization` values that convert a floating-point model after loading, and "gguf", which
@@ -72,12 +73,12 @@ class QuantizedWeight(nn.Module):
         self._kernel_weight = None  # the buffers move: the kernel view points at the old ones
         return super()._apply(fn, *args, **kwargs)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, cols] @ W^T (+ bias) -> [T, rows], in x's dtype."""
+    def linear(self, x: torch.Tensor, lora: LoRAUpdate | None = None) -> torch.Tensor:
+        """x [T, cols] @ W^T (+ bias) -> [T, rows], in x's dtype, plus `lora`'s update."""
         if (self.int8_activations and self.format == "int8" and x.device.type == "cpu"
                 and x.shape[0] > cpu_kernels.QUANT_MATVEC_MAX_ROWS):
-            return self._integer_gemm(x)
-        return self.kernels.quant_linear(x, self)
+            return self.kernels.adapted(self._integer_gemm(x), x, lora)
+        return self.kernels.quant_linear(x, self, lora)
 
     def _integer_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """More than 8 rows (prefill chunks, big decode batches) of int8 weights with int8
@@ -103,8 +104,8 @@ class QuantizedWeight(nn.Module):
 
 
 class QuantizedLinear(QuantizedWeight):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
+    def forward(self, x: torch.Tensor, lora: LoRAUpdate | None = None) -> torch.Tensor:
+        return self.linear(x, lora)
 
 
 class QuantizedEmbedding(QuantizedWeight):

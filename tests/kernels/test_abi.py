@@ -258,7 +258,8 @@ def test_quant_linear_panels_out_of_memory(two_threads):
                                  HUGE // 32, HUGE // 32, 0)
     rows = cpu_kernels.QUANT_MATVEC_MAX_ROWS + 1  # the panel path
     y = torch.full((rows, 1), 7.0)
-    assert cpu_kernels._library("quant_linear.c").quant_linear(ctypes.byref(weight), None, y.data_ptr(), rows) != 0
+    assert cpu_kernels._library("quant_linear.c").quant_linear(ctypes.byref(weight), None, y.data_ptr(), rows, None,
+                                                               0) != 0
     assert (y == 7.0).all()
 
 
@@ -286,4 +287,7 @@ def test_lora_add_out_of_memory(two_threads):
     with pytest.raises(MemoryError, match="lora_add"):
         cpu_kernels._check(cpu_kernels._library("lora.c").lora_add(ctypes.byref(batch), 0, None, y.data_ptr(), 1, 1, 1),
                            "lora_add")
+    with pytest.raises(MemoryError, match="quant_linear"):  # the same scratch, for the adapters in the product's call
+        cpu_kernels._check(cpu_kernels._library("quant_linear.c").quant_linear(None, None, y.data_ptr(), 1,
+                                                                               ctypes.byref(batch), 0), "quant_linear")
     assert (y == 7.0).all()

@@ -13,8 +13,9 @@ import torch
 
 from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.cpu import CBackend
-from brisk.kernels.lora import (COLUMNS, AdapterWeights, LoRABatch, LoRAPiece, LoRAProjection, lora_add_torch, tiled,
-                                untiled)
+from brisk.kernels.lora import (COLUMNS, AdapterWeights, LoRABatch, LoRAPiece, LoRAProjection, LoRAUpdate,
+                                lora_add_torch, tiled, untiled)
+from brisk.quant.formats import quantize
 from tests.helpers import require_c_compiler
 
 require_c_compiler()
@@ -93,6 +94,20 @@ def test_the_segmented_product_adds_each_rows_own_adapter(dtype, num_rows, march
     cpu_kernels.lora_add(untouched, x, batch, 0, "qkv", march=march)  # layer 0: no adapter updates it
     cpu_kernels.lora_add(untouched, x, batch, 1, "o", march=march)
     assert torch.equal(untouched, y)
+
+
+@pytest.mark.parametrize("num_rows", [3, 9, 40])  # the product's three paths: matvec, float panels, int8 panels
+def test_a_quantized_product_adds_the_adapters_in_its_own_call(num_rows):
+    """quant_linear with the step's update: its product, then lora_add's update, bit for bit."""
+    weight = torch.randn(sum(PIECES), COLS, generator=torch.Generator().manual_seed(5))
+    kernel = cpu_kernels.KernelWeight.quantized(quantize(weight, "int4", 32), quantize_activations=num_rows == 40)
+    adapters = _adapter(8, torch.bfloat16, 2), _adapter(3, torch.bfloat16, 3, modules=(0, 2))
+    rows = [(adapters[i % 3], 1.0) if i % 3 < 2 else None for i in range(num_rows)]
+    batch = LoRABatch.of(rows, torch.device("cpu"))
+    x = torch.randn(num_rows, COLS)
+    expected = cpu_kernels.quant_linear(x, kernel)
+    cpu_kernels.lora_add(expected, x, batch, 1, "qkv")
+    assert torch.equal(cpu_kernels.quant_linear(x, kernel, lora=LoRAUpdate(batch, 1, "qkv")), expected)
 
 
 def test_the_backend_runs_the_kernels_on_packed_adapters_only():
