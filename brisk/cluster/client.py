@@ -21,6 +21,7 @@ time spent in Ray's router (nothing, unless every replica is full) is not in the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -126,6 +127,12 @@ class RayEngineClient(EngineClient):
         self._snapshots_lock = threading.Lock()  # the poll thread and the event loop both update them
         self._healthy_at = time.monotonic()
         self._draining = False
+        # The adapters every replica is to serve; replicas that report others are brought in line
+        # (_reconcile), except while a load or unload is under way (`_changing` of them)
+        self._adapters: dict[str, AdapterInfo] = {a.name: a for a in description.model_info.adapters}
+        self._adapters_lock = threading.Lock()
+        self._changing = 0
+        self._version = 0  # changes to the adapters made so far (replicas ignore syncs older than a change)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, args=(poll_seconds,), name="brisk-replica-poll",
                                         daemon=True)
@@ -183,23 +190,48 @@ class RayEngineClient(EngineClient):
         return sum(a for a in answers if isinstance(a, int))
 
     async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
-        """On every replica; where one refuses (the folder is not there), the others drop it again,
-        so no replica serves an adapter that another would answer 404 for."""
-        answers = await self._handle.broadcast("load_adapter", name, path, replace).results_async(
-            timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
-        failed = [a for a in answers if isinstance(a, BaseException)]
-        if failed:
-            if len(failed) < len(answers):
-                await self._handle.broadcast("unload_adapter", name).results_async(
-                    timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
-            raise _cause(failed[0])
+        """On every replica; where one refuses (the folder is not there), the others go back to
+        what they served under that name before (the adapter it replaced, or none), so no replica
+        serves an adapter that another would answer 404 for. Replicas started later load it too
+        (_reconcile)."""
+        before = self._adapters.get(name)
+        with self._change() as version:
+            answers = await self._handle.broadcast("load_adapter", name, path, replace, version).results_async(
+                timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
+            failed = [a for a in answers if isinstance(a, BaseException)]
+            if failed:
+                if len(failed) < len(answers):
+                    undo = (("unload_adapter", name, version) if before is None
+                            else ("load_adapter", name, before.path, True, version))
+                    await self._handle.broadcast(*undo).results_async(timeout_s=_CALL_TIMEOUT_SECONDS,
+                                                                      return_exceptions=True)
+                raise _cause(failed[0])
+            with self._adapters_lock:
+                self._adapters[name] = answers[0]
         return answers[0]
 
     async def unload_adapter(self, name: str) -> None:
-        answers = await self._handle.broadcast("unload_adapter", name).results_async(
-            timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
-        if all(isinstance(a, BaseException) for a in answers):
-            raise _cause(answers[0])
+        with self._change() as version:
+            answers = await self._handle.broadcast("unload_adapter", name, version).results_async(
+                timeout_s=_CALL_TIMEOUT_SECONDS, return_exceptions=True)
+            if all(isinstance(a, BaseException) for a in answers):
+                raise _cause(answers[0])
+            with self._adapters_lock:
+                self._adapters.pop(name, None)
+
+    @contextlib.contextmanager
+    def _change(self):
+        """A load or unload: its number (version) for the replicas; while it is under way they may
+        differ, so there is no reconciling meanwhile."""
+        with self._adapters_lock:
+            self._changing += 1
+            self._version += 1
+            version = self._version
+        try:
+            yield version
+        finally:
+            with self._adapters_lock:
+                self._changing -= 1
 
     def is_healthy(self) -> bool:
         return time.monotonic() - self._healthy_at < HEALTHY_WITHIN_SECONDS
@@ -225,6 +257,7 @@ class RayEngineClient(EngineClient):
                 reports = self._broadcast("report", _POLL_TIMEOUT_SECONDS)
                 if reports is not None:
                     self._replay([r for r in reports if isinstance(r, ReplicaReport)])
+                    self._reconcile([r for r in reports if isinstance(r, ReplicaReport)])
             except Exception:  # noqa: BLE001 - a logger's failure must not end the polling (and health)
                 logger.exception("replaying the replicas' step records failed")
 
@@ -240,6 +273,21 @@ class RayEngineClient(EngineClient):
                 combined = self._combine({**latest, report.replica_id: snapshot})
                 for stat_logger in self._stat_loggers:
                     stat_logger.record(combined, iteration)
+
+    def _reconcile(self, reports: list[ReplicaReport]) -> None:
+        """A replica serving other adapters than the ingress's set (one Ray Serve started after
+        adapters were loaded or unloaded at run time) is sent the set (`sync_adapters`; the others
+        have nothing to do), unless a load or unload is under way."""
+        with self._adapters_lock:
+            if self._changing:
+                return
+            adapters, version = dict(self._adapters), self._version
+        wanted = {name: info.identity for name, info in adapters.items()}
+        behind = [r.replica_id for r in reports if r.adapters != wanted]
+        if behind:
+            logger.info("replicas %s serve other adapters than %s: bringing them in line", behind, sorted(wanted))
+            self._handle.broadcast("sync_adapters", adapters, version).results(timeout_s=_CALL_TIMEOUT_SECONDS,
+                                                                                return_exceptions=True)
 
     def _combine(self, live: dict[str, EngineSnapshot]) -> EngineSnapshot:
         """The `live` replicas' snapshots (replica id -> snapshot) summed, their counters added to

@@ -41,12 +41,14 @@ class ReplicaDescription:
 
 @dataclass
 class ReplicaReport:
-    """A replica's state at one poll: its step records since the previous poll, and its health."""
+    """A replica's state at one poll: its step records since the previous poll, its health, and
+    the LoRA adapters it serves (name -> the identity of their files)."""
 
     replica_id: str
     pid: int
     healthy: bool
     records: list[tuple[EngineSnapshot, IterationStats]] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 class _RecordBuffer:
@@ -75,9 +77,15 @@ class EngineReplica:
         self.engine = AsyncEngine(config)
         self._records = _RecordBuffer()
         self.engine.add_stat_logger(self._records)
+        self._adapters_version = 0
 
     def describe(self) -> ReplicaDescription:
-        return ReplicaDescription(self.engine.model_info, self.engine.tokenizer)
+        """With the adapters served now: an ingress started later (Ray Serve replaced it) serves
+        those loaded at run time too, and brings replicas in line with them."""
+        adapters = self.engine.engine.adapters
+        info = self.engine.model_info if adapters is None else dataclasses.replace(
+            self.engine.model_info, adapters=tuple(dict(adapters.infos).values()))
+        return ReplicaDescription(info, self.engine.tokenizer)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]:
@@ -95,7 +103,9 @@ class EngineReplica:
             await stream.aclose()
 
     def report(self) -> ReplicaReport:
-        return ReplicaReport(self.replica_id, os.getpid(), self.engine.is_healthy(), self._records.drain())
+        adapters = self.engine.engine.adapters  # None with LoRA off; its dict is copied whole (under the GIL)
+        identities = {} if adapters is None else {n: i.identity for n, i in dict(adapters.infos).items()}
+        return ReplicaReport(self.replica_id, os.getpid(), self.engine.is_healthy(), self._records.drain(), identities)
 
     async def snapshot(self) -> tuple[str, EngineSnapshot]:
         return self.replica_id, await self.engine.stats()
@@ -103,11 +113,28 @@ class EngineReplica:
     async def clear_prefix_cache(self) -> int:
         return await self.engine.clear_prefix_cache()
 
-    async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+    # The ingress numbers its changes to the adapters; `_adapters_version` is the latest this
+    # replica has seen, so a sync sent before a load or unload that got here first is ignored.
+    async def load_adapter(self, name: str, path: str, replace: bool = False, version: int = 0) -> AdapterInfo:
+        self._adapters_version = max(self._adapters_version, version)
         return await self.engine.load_adapter(name, path, replace)
 
-    async def unload_adapter(self, name: str) -> None:
+    async def unload_adapter(self, name: str, version: int = 0) -> None:
+        self._adapters_version = max(self._adapters_version, version)
         await self.engine.unload_adapter(name)
+
+    async def sync_adapters(self, adapters: dict[str, AdapterInfo], version: int) -> None:
+        """Serves exactly `adapters`, the ingress's set as of its change `version`: a replica Ray
+        Serve started after adapters were loaded or unloaded at run time (a replacement, or one
+        more under load) catches up."""
+        served = self.engine.engine.adapters
+        if served is None or version < self._adapters_version:
+            return
+        for name in set(served.infos) - set(adapters):
+            await self.engine.unload_adapter(name)
+        for name, info in adapters.items():
+            if served.infos.get(name) != info:
+                await self.engine.load_adapter(name, info.path, replace=True)
 
     def abort_all(self) -> None:
         self.engine.abort_all()

@@ -22,10 +22,11 @@ from brisk import LLM  # noqa: E402
 from brisk.cluster.app import APP_NAME, ENGINE_DEPLOYMENT, engine_deployment, start  # noqa: E402
 from brisk.config import ClusterConfig, EngineConfig, ServerConfig  # noqa: E402
 from brisk.sampling_params import SamplingParams  # noqa: E402
-from tests.conftest import build_tiny_checkpoint  # noqa: E402
+from brisk.identity import content_digest  # noqa: E402
+from tests.conftest import build_lora_adapter, build_tiny_checkpoint  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
 
-ENGINE = dict(dtype="float32", num_kv_blocks=512, max_model_len=2048, max_num_seqs=8, num_threads=1)
+ENGINE = dict(dtype="float32", num_kv_blocks=512, max_model_len=2048, max_num_seqs=8, num_threads=1, enable_lora=True)
 PROMPTS = ["w5 w6 w7 w8", "w40 w41 w9", "w3 w3 w3 w90 w17"]
 BLOCK = 16
 
@@ -58,6 +59,12 @@ def engines():
 
 def reports() -> list:
     return engines().broadcast("report").results(timeout_s=30)
+
+
+def live_reports() -> list:
+    """The reports of the replicas that answer (a killed one may still be on the handle's list)."""
+    answers = engines().broadcast("report").results(timeout_s=30, return_exceptions=True)
+    return [a for a in answers if not isinstance(a, BaseException)]
 
 
 def wait_for(condition, seconds: float, what: str):
@@ -164,6 +171,29 @@ def test_killing_a_replica_fails_its_requests_and_the_service_goes_on(cluster):
         assert client.completions.create(model="tiny", prompt=f"w{i + 3}", max_tokens=3).usage.completion_tokens == 3
     assert httpx.get(f"{cluster}/health").status_code == 200
     wait_for(lambda: len({r.pid for r in reports()} - {victim}) == 2, 240, "Ray Serve to replace the replica")
+
+
+def test_adapters_loaded_at_run_time_reach_a_replica_started_later(cluster, client, tiny_folder, tmp_path):
+    """An adapter loaded through the ingress at run time is served by a replica Ray Serve starts
+    afterwards (here the replacement of one killed), as by the others; unloading reaches all."""
+    build_lora_adapter(tiny_folder, str(tmp_path / "tuned"), 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    answer = httpx.post(f"{cluster}/v1/load_lora_adapter", json={"lora_name": "tuned", "lora_path": str(tmp_path / "tuned")})
+    assert answer.status_code == 200, answer.text
+    served = {"tuned": content_digest(str(tmp_path / "tuned"))}
+    assert all(r.adapters == served for r in reports())
+    prompts = [f"w{i} w5 w6 w7" for i in range(3, 9)]  # the router spreads them over both replicas
+    expected = [client.completions.create(model="tuned", prompt=p, max_tokens=6, temperature=0).choices[0].text
+                for p in prompts]
+    victim = reports()[0].pid
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len({r.pid for r in live_reports()} - {victim}) == 2, 240, "Ray Serve to replace the replica")
+    wait_for(lambda: all(r.adapters == served for r in live_reports()), 30, "the new replica to load the adapter")
+    for prompt, text in zip(prompts, expected):
+        assert client.completions.create(model="tuned", prompt=prompt, max_tokens=6, temperature=0).choices[0].text == text
+    assert httpx.post(f"{cluster}/v1/unload_lora_adapter", json={"lora_name": "tuned"}).status_code == 200
+    assert all(r.adapters == {} for r in reports())
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tuned", prompt=prompts[0], max_tokens=2)
 
 
 def test_autoscaling_adds_replicas_under_load(tiny_folder, cluster):
