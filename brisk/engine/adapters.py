@@ -62,6 +62,14 @@ class AdapterInfo:
     identity: str  # SHA-256 of the folder's files: another adapter saved under the same name is another model
 
 
+@dataclass(frozen=True)
+class ReadAdapter:
+    """An adapter read from its files, not yet served (Adapters.read, then Adapters.load)."""
+
+    info: AdapterInfo
+    weights: AdapterWeights
+
+
 class Adapters:
     """The engine's adapters (see the module docstring). in_use: the names of the adapters of
     the requests in the engine (waiting or running), asked for before one is dropped."""
@@ -79,11 +87,21 @@ class Adapters:
         """The adapters in memory, least recently used first."""
         return list(self._resident)
 
-    def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
-        """Reads and checks the adapter in `path` (a PEFT folder or a llama.cpp LoRA GGUF file) under
-        `name`; raises LoRAError naming what is wrong. Loading a name again from the same files does
-        nothing; from others it is refused, unless `replace`: then the new adapter is read first and
-        takes the name only once it loaded (requests in flight finish with the old one)."""
+    def read(self, name: str, path: str) -> ReadAdapter:
+        """Reads and checks the adapter in `path` (a PEFT folder or a llama.cpp LoRA GGUF file) for
+        `name`; raises LoRAError naming what is wrong. Touches nothing the engine's steps use: a
+        server runs it off the engine's loop (the files may take a while), then `load`."""
+        if not name:
+            raise LoRAError("lora_name", "an adapter needs a name")
+        identity = content_digest(path)
+        weights, rank = self._read(name, path)
+        return ReadAdapter(AdapterInfo(name, path, rank, identity), weights)
+
+    def load(self, name: str, path: str, replace: bool = False, read: ReadAdapter | None = None) -> AdapterInfo:
+        """Serves the adapter in `path` as `name` (its files read here, or already: `read`).
+        Loading a name again from the same files does nothing; from others it is refused, unless
+        `replace`: then the new adapter takes the name once it is read (requests in flight finish
+        with the old one)."""
         if not name:
             raise LoRAError("lora_name", "an adapter needs a name")
         known = self.infos.get(name)
@@ -92,8 +110,10 @@ class Adapters:
                 return known
             raise LoRAError("lora_name", f"an adapter named {name!r} is already loaded (from {known.path}); "
                                          "unload it first, or load it in place")
-        weights, rank = self._read(name, path)
-        self.infos[name] = info = AdapterInfo(name, path, rank, content_digest(path))
+        if read is None or read.info.name != name or read.info.path != path:
+            read = self.read(name, path)
+        self.infos[name] = info = read.info
+        weights, rank = read.weights, info.rank
         self._keep(name, weights)
         logger.info("loaded LoRA adapter %s from %s: rank %d, %.1f MB in %s", name, path, rank, weights.nbytes / 1e6,
                     str(self.dtype).removeprefix("torch."))

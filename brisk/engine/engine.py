@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from brisk.config import ConfigError, EngineConfig
-from brisk.engine.adapters import AdapterCap, AdapterInfo, Adapters, LoRARequest, adapter_dtype
+from brisk.engine.adapters import AdapterCap, AdapterInfo, Adapters, LoRARequest, ReadAdapter, adapter_dtype
 from brisk.engine.cuda_graphs import capture_sizes
 from brisk.engine.kv_cache import KVCacheManager, KVLayout
 from brisk.kernels.kv_cache import kv_bytes_per_token
@@ -152,10 +152,16 @@ class LLMEngine:
                                         params, self.hparams.vocab_size, self.max_model_len, options, arrival_time)
         return self.add(request)
 
-    def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+    def load_adapter(self, name: str, path: str, replace: bool = False, read: ReadAdapter | None = None) -> AdapterInfo:
         """Serves the adapter in `path` (a PEFT folder or a llama.cpp LoRA GGUF file) as `name` from
-        now on; replace: in place of an adapter of that name (engine/adapters.py)."""
-        return self._enabled_adapters("lora_name").load(name, path, replace)
+        now on; replace: in place of an adapter of that name; read: its files as read_adapter read
+        them, else they are read now (engine/adapters.py)."""
+        return self._enabled_adapters("lora_name").load(name, path, replace, read)
+
+    def read_adapter(self, name: str, path: str) -> ReadAdapter:
+        """Reads an adapter's files for load_adapter without touching what steps use: callable
+        from another thread while the engine steps."""
+        return self._enabled_adapters("lora_name").read(name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Stops serving adapter `name`; its requests in the engine finish with it."""

@@ -13,6 +13,7 @@ function too, when it crosses a socket: a module-level function, not a lambda).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -56,7 +57,19 @@ class Call:
     fn: Callable[[LLMEngine], object]
 
 
-Command = AddRequest | AbortRequest | AbortAll | Call
+@dataclass
+class Prepare:
+    """Runs prepare(engine) on a thread of its own, off the loop, then fn(engine, prepared)
+    between steps; the reply carries call_id back. For work that would stall every stream if the
+    loop did it (reading a LoRA adapter's files): the loop steps on meanwhile. prepare may read
+    only what stays fixed while the engine runs (its model's shapes, its settings)."""
+
+    call_id: int
+    prepare: Callable[[LLMEngine], object]
+    fn: Callable[[LLMEngine, object], object]
+
+
+Command = AddRequest | AbortRequest | AbortAll | Call | Prepare
 
 
 # ----- results: loop -> client --------------------------------------------------------------------
@@ -204,7 +217,17 @@ class EngineLoop:
                     except Exception as exc:  # noqa: BLE001 - handed back to the caller
                         reply = CallReply(call_id, error=exc)
                     self.outbox.answer(reply)
+                case Prepare():
+                    threading.Thread(target=self._prepare, args=(command,), name="brisk-prepare", daemon=True).start()
         return step
+
+    def _prepare(self, command: Prepare) -> None:
+        """On the preparing thread: its result (or its error) goes back to the loop as a Call."""
+        try:
+            then = functools.partial(_finish_prepared, command.fn, command.prepare(self.engine))
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller, from the loop
+            then = functools.partial(_raise, exc)
+        self.inbox.post(Call(command.call_id, then))
 
     def _abort(self, request_ids: list[str], step: StepOutputs) -> None:
         """Each request's last output (finish_reason "abort") goes to its stream, if one still reads it."""
@@ -220,3 +243,11 @@ class EngineLoop:
             logger.exception("request %s could not be added", request_id)
             self.engine.abort_request(request_id)  # whatever part of it was registered
             step.errors[request_id] = exc
+
+
+def _finish_prepared(fn: Callable[[LLMEngine, object], object], prepared: object, engine: LLMEngine) -> object:
+    return fn(engine, prepared)
+
+
+def _raise(error: BaseException, engine: LLMEngine) -> None:
+    raise error

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from brisk.transport.client import EngineClient, EngineDeadError, ModelInfo, QueueLoad
-from brisk.engine.adapters import AdapterInfo
-from brisk.transport.core_loop import AbortAll, AbortRequest, AddRequest, Call, CallReply, Command, StepOutputs
+from brisk.engine.adapters import AdapterInfo, ReadAdapter
+from brisk.transport.core_loop import (AbortAll, AbortRequest, AddRequest, Call, CallReply, Command, Prepare,
+                                      StepOutputs)
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import EngineRequest, NO_OPTIONS, RequestOptions
@@ -138,16 +139,17 @@ class LoopClient(EngineClient):
     def abort_all(self) -> None:
         self._post(AbortAll())
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def call(self, fn: Callable[..., T], prepare: Callable[[LLMEngine], object] | None = None) -> T:
         """Runs fn(engine) on the loop between steps: the only safe way to touch engine state.
-        fn must pickle (a module-level function) when the loop runs in another process."""
+        With `prepare`, fn(engine, prepare(engine)), prepare run off the loop (core_loop.Prepare).
+        The functions must pickle (module-level ones) when the loop runs in another process."""
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._raise_if_dead()
             call_id = next(self._call_ids)
             self._calls[call_id] = future
         try:
-            self._post(Call(call_id, fn))
+            self._post(Call(call_id, fn) if prepare is None else Prepare(call_id, prepare, fn))
             return await future
         finally:
             self._calls.pop(call_id, None)
@@ -159,7 +161,10 @@ class LoopClient(EngineClient):
         return await self.call(_evict_unused_cached_blocks)
 
     async def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
-        return await self.call(functools.partial(_load_adapter, name, path, replace))
+        """The files are read off the loop (streams go on meanwhile); the adapter is served from the
+        loop's next turn after."""
+        return await self.call(functools.partial(_load_adapter, name, path, replace),
+                               prepare=functools.partial(_read_adapter, name, path))
 
     async def unload_adapter(self, name: str) -> None:
         await self.call(functools.partial(_unload_adapter, name))
@@ -220,8 +225,12 @@ def _evict_unused_cached_blocks(engine: LLMEngine) -> int:
     return engine.kv.evict_unused_cached_blocks()
 
 
-def _load_adapter(name: str, path: str, replace: bool, engine: LLMEngine) -> AdapterInfo:
-    return engine.load_adapter(name, path, replace)
+def _read_adapter(name: str, path: str, engine: LLMEngine) -> ReadAdapter:
+    return engine.read_adapter(name, path)
+
+
+def _load_adapter(name: str, path: str, replace: bool, engine: LLMEngine, read: ReadAdapter) -> AdapterInfo:
+    return engine.load_adapter(name, path, replace, read)
 
 
 def _unload_adapter(name: str, engine: LLMEngine) -> None:

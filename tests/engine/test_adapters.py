@@ -8,7 +8,9 @@ drops an adapter in use, unloading that lets running requests finish, and the er
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -334,3 +336,44 @@ def test_a_bf16_model_applies_adapters_as_the_reference_does(served):
     assert all(error < 0.1 * scale for error in errors.values()), errors
     assert max(errors["kernels"], errors["layered"]) <= errors["torch"] + 0.01 * scale, errors
     assert (logits["kernels"].float() - logits["layered"].float()).abs().max().item() < 0.02 * scale
+
+
+def test_streams_go_on_while_an_adapters_files_are_read(served, monkeypatch):
+    """A server reads an adapter's files off the engine's loop (core_loop.Prepare): a request
+    streaming meanwhile gets its tokens, and the adapter serves once it is read."""
+    from brisk.engine.adapters import Adapters
+    from brisk.transport.async_engine import AsyncEngine
+
+    base, folders, merged, _ = served
+    read = Adapters._read
+
+    def slow_read(self, name, path):
+        time.sleep(0.5)  # a large adapter on a slow disk
+        return read(self, name, path)
+
+    monkeypatch.setattr(Adapters, "_read", slow_read)
+    engine = AsyncEngine(engine=_llm(served, lora_modules=[], enable_lora=True).engine)
+    prompt = _prompt(8, seed=70)
+
+    async def scenario() -> tuple[int, list[int]]:
+        params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+        outputs = aiter(engine.generate(_prompt(5, seed=71), params, "streaming"))
+        before = len((await anext(outputs)).outputs[0].token_ids)  # the stream runs before the load begins
+        loading = asyncio.create_task(engine.load_adapter("late", folders["qv"]))
+        during = before
+        async for output in outputs:  # until the load is done (or the stream, if it ends first)
+            during = len(output.outputs[0].token_ids)
+            if loading.done():
+                break
+        await loading
+        late = engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "late",
+                               RequestOptions(adapter="late"))
+        answer = [o async for o in late][-1]
+        return during - before, list(answer.outputs[0].token_ids)
+
+    try:
+        during, tokens = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert during >= 20  # the tiny model steps hundreds of times in 0.5 s; the loop did not wait for the files
+    assert tokens == hf_greedy(merged["qv"], prompt, 5)
