@@ -8,9 +8,10 @@ reads each adapter of its batch once per projection (kernels/lora.py), so what a
 the bytes it adds to a step and the extra passes over the batch's rows; the table gives each
 setting's bytes beside its speed. Requests are chat questions answered to a fixed length (EOS
 ignored), greedy; speed is output tokens over the whole run, each row's median over the rounds,
-with every round's figure beside it, and its ratio to the base model's is the median of each
-round's ratio (this host's speed drifts by 20% between minutes; a round's settings run within
-seconds of each other).
+with every round's figure beside it. The base model runs before the first setting of a round
+and after each: a setting's ratio is its speed over the mean of the base runs on either side of
+it (seconds apart), the median over the rounds. This host's speed drifts by 20% between
+minutes; against one base run a round, a drift mid-round moved a ratio by 0.1 either way.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main(args) -> None:
     print(f"model: {engine.checkpoint.path}, weights {engine.weight_mode.name}, adapters in "
           f"{str(engine.adapters.dtype).removeprefix('torch.')}; {args.num_prompts} requests at once "
           f"(max_num_seqs {config.max_num_seqs}), {args.output_len} output tokens each, greedy, "
-          f"{args.rounds} interleaved rounds; threads: {torch.get_num_threads()}")
+          f"{args.rounds} rounds, the base model run between every two settings; threads: {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as folder:
         settings: dict[str, list[LoRARequest | None]] = {"base model alone": [None]}
         sizes = {"base model alone": 0}
@@ -86,14 +87,22 @@ def main(args) -> None:
                 sizes[label] = sum(engine.adapters.get(r.lora_name).nbytes for r in settings[label])
         run(llm, prompts[:4], replace(params, max_tokens=4), list(settings.values())[-1])  # warm-up: kernels built
         rounds: dict[str, list[float]] = {label: [] for label in settings}
+        ratios: dict[str, list[float]] = {label: [] for label in settings}
+        base = "base model alone"
         for _ in range(args.rounds):
+            before = run(llm, prompts, params, settings[base])
+            rounds[base].append(before)
             for label, adapters in settings.items():
-                rounds[label].append(run(llm, prompts, params, adapters))
-    base = rounds["base model alone"]
+                if label != base:
+                    speed, after = run(llm, prompts, params, adapters), run(llm, prompts, params, settings[base])
+                    rounds[label].append(speed)
+                    rounds[base].append(after)
+                    ratios[label].append(speed / ((before + after) / 2))
+                    before = after
     print("\n| setting | adapter bytes a step reads | output tok/s (median) | vs base (median of the rounds' ratios) "
-          "| every round (output tok/s) |")
+          "| every run (output tok/s) |")
     print("|---|---:|---:|---:|---|")
     for label, speeds in rounds.items():
-        ratio = statistics.median(s / b for s, b in zip(speeds, base))  # each against its own round's base
+        ratio = statistics.median(ratios[label]) if ratios[label] else 1.0
         print(f"| {label} | {sizes[label] / 1e6:.3g} MB | {statistics.median(speeds):.1f} | {ratio:.2f} | "
               f"{', '.join(f'{s:.1f}' for s in speeds)} |")
