@@ -122,3 +122,27 @@ def test_gpu_defaults_bf16_and_a_cache_sized_from_gpu_memory(real_model_path, gp
     theirs = hf_logits(copy.deepcopy(gpu_hf).to(torch.bfloat16), prompts[2]).float()
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.9
     assert (ours - reference).abs().mean().item() < 1.25 * (theirs - reference).abs().mean().item()
+
+
+def test_an_adapter_gives_the_merged_models_tokens(real_model_path, prompts, tmp_path):
+    """LoRA on the GPU (torch's segmented product; steps with adapters replay no CUDA graph): a
+    batch mixing a rank-8 adapter and the base model generates, row for row, what the base model
+    with the adapter merged (PEFT's merge_and_unload, in transformers on the GPU) and the base
+    model alone generate."""
+    from peft import PeftModel
+
+    from brisk import LoRARequest
+    from brisk.bench.lora import write_adapters
+
+    folder = write_adapters(LLM(real_model_path, dtype="float32", quantization="none"), str(tmp_path), 1, 8)[0]
+    merged = PeftModel.from_pretrained(load_hf_reference(real_model_path), folder).merge_and_unload().to("cuda")
+    base = load_hf_reference(real_model_path).to("cuda")
+    llm = _llm(real_model_path, enable_lora=True, lora_modules=[f"tuned={folder}"])
+    chosen = prompts[:4]
+    uses = [LoRARequest("tuned"), None, LoRARequest("tuned"), None]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen],
+                           SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False,
+                           lora_request=uses)
+    for prompt, use, output in zip(chosen, uses, outputs):
+        assert list(output.outputs[0].token_ids) == hf_greedy(merged if use else base, prompt, 32)
+    assert_no_leaks(llm.engine)
