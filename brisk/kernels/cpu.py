@@ -472,8 +472,8 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, proj
 
 
 def lora_bf16_products(march: str = "native") -> bool:
-    """Whether the LoRA kernels built for `march` multiply bfloat16 adapters' operands as bfloat16
-    (activations and t rounded to it, as PEFT's bf16 layers do) rather than in float32 (lora.h)."""
+    """Whether the LoRA kernels built for `march` multiply bfloat16 adapters' A by activations
+    rounded to bfloat16 (as PEFT's bf16 layers take them) rather than in float32 (lora.h)."""
     return bool(ctypes.c_int.in_dll(_library("lora.c", march=march), "lora_bf16_products").value)
 
 

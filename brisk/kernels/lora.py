@@ -9,9 +9,11 @@ in two halves, as Punica's SGMV does on GPUs: the shrink (t = A x, a few numbers
 row of A read once for the whole segment) and the expand (y += B t, B kept transposed and each of
 its columns read once per segment). The rows of the step are grouped by adapter once
 (LoRABatch.of), so every projection of every layer reads each adapter's A and B once per step,
-whatever its number of rows. On CPU the C kernels (lora.h) run it, inside the fused decode step
-too (bf16 activations through a float32 update); elsewhere, and under autograd (training an
-adapter), `lora_add_torch`, their reference (a GPU runs it in torch today, outside CUDA graphs).
+whatever its number of rows. On CPU the C kernels (lora.h) run it: inside the fused decode step,
+in a quantized projection's own C call (a linear layer is handed its `LoRAUpdate`), on its own
+after a dense one (bf16 activations through a float32 update); elsewhere, and under autograd
+(training an adapter), `lora_add_torch`, their reference (a GPU runs it in torch today, outside
+CUDA graphs).
 
 An adapter's update of one of the model's fused projections (q/k/v, gate/up) is one A, its
 modules' A matrices stacked ([R, in]: R the sum of their ranks), and one B per module (a
@@ -27,8 +29,8 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 

@@ -156,7 +156,8 @@ class _StatBuffer:
 
 
 class EngineLoop:
-    """Owns the engine: after construction only `run()`'s thread may touch it."""
+    """Owns the engine: after construction only `run()`'s thread may touch it (a Prepare's
+    prepare, on a thread of its own, reads only what stays fixed)."""
 
     def __init__(self, engine: LLMEngine, inbox: Inbox, outbox: Outbox):
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
