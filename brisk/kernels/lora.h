@@ -27,10 +27,10 @@
  * as PEFT's bf16 layers take it (exactly so in a bf16 model, whose activations are bf16 already);
  * t stays float32. Elsewhere, and for float32 adapters, the arithmetic is float32.
  *
- * Both halves run over a parallel region's threads (orphaned worksharing): inside decode_layers.c's
- * region the region's threads share them (and put a barrier after them before reading y), and
- * lora.c's lora_add opens a region of its own. How the work is cut: lora_add_rows_of. Scratch t: [rows of the step,
- * max_rank] floats.
+ * Both halves run over a parallel region's threads (orphaned worksharing): the region of
+ * decode_layers.c's fused step (which puts a barrier after them before it reads y) or of
+ * quant_linear.c's product (the update in the product's own call), or lora.c's lora_add's own.
+ * How the work is cut: lora_add_rows_of. Scratch t: [rows of the step, max_rank] floats.
  */
 #ifndef BRISK_LORA_H
 #define BRISK_LORA_H
