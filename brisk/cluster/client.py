@@ -51,6 +51,9 @@ _POLL_TIMEOUT_SECONDS = 2.0
 # host that took back 80% of the CPU made a live replica's reports late, and requests got 503.
 HEALTHY_WITHIN_SECONDS = 15.0
 _CALL_TIMEOUT_SECONDS = 10.0
+# A replica that cannot load an adapter (its folder missing on that node) is sent the set again at
+# most this often, not at every poll.
+_RESYNC_SECONDS = 5.0
 
 
 class RayRequestStream:
@@ -133,6 +136,7 @@ class RayEngineClient(EngineClient):
         self._adapters_lock = threading.Lock()
         self._changing = 0
         self._version = 0  # changes to the adapters made so far (replicas ignore syncs older than a change)
+        self._synced_at = -_RESYNC_SECONDS
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, args=(poll_seconds,), name="brisk-replica-poll",
                                         daemon=True)
@@ -284,7 +288,8 @@ class RayEngineClient(EngineClient):
             adapters, version = dict(self._adapters), self._version
         wanted = {name: info.identity for name, info in adapters.items()}
         behind = [r.replica_id for r in reports if r.adapters != wanted]
-        if behind:
+        if behind and time.monotonic() - self._synced_at >= _RESYNC_SECONDS:
+            self._synced_at = time.monotonic()
             logger.info("replicas %s serve other adapters than %s: bringing them in line", behind, sorted(wanted))
             self._handle.broadcast("sync_adapters", adapters, version).results(timeout_s=_CALL_TIMEOUT_SECONDS,
                                                                                 return_exceptions=True)

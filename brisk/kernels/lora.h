@@ -68,13 +68,11 @@ struct lora_batch {
  * a single sequence (a decode step of one) the shrink still splits across the threads. Ranks the
  * expand holds in registers at once: a larger rank takes several passes over its rows' y. Bytes a
  * thread prefetches ahead of what it reads of an adapter (the hardware's prefetchers start late on
- * streams of 10-70 KB, which an adapter's update of one projection is). Adapters a thread at
- * least, for threads to take whole adapters. */
+ * streams of 10-70 KB, which an adapter's update of one projection is). */
 #define LORA_COLUMNS 128
 #define LORA_RANKS 16
 #define LORA_EXPAND_RANKS 64
 #define LORA_PREFETCH 16384
-#define LORA_WHOLE_ADAPTERS 2
 
 /* Register blocks. A vector is one AVX-512 register where the host has them, else one AVX2 one
  * (GCC's vector extensions lower it to whatever the target has). The shrink holds up to four rows
@@ -353,35 +351,16 @@ LORA_INLINE int64_t lora_tiles(const struct lora_piece *piece) {
     return (piece->rows + LORA_COLUMNS - 1) / LORA_COLUMNS;
 }
 
-/* The segments' updates of the step's rows, with t scratch [rows of the step, R].
- *
- * With at least two adapters a thread, each thread takes whole adapters, a run of them: for each,
- * the shrink of its rows, then their expand, t never leaving the thread. An adapter's update of a
- * projection lies in one run of memory (its A, then its pieces' tiles: kernels/lora.py packs them
- * so), so the thread reads one stream per adapter, prefetched LORA_PREFETCH bytes ahead, and starts
- * the next adapter's stream before the current one's work.
- *
- * With fewer, the adapters' work is cut finer: the shrink's tasks (four rows of one adapter
- * against LORA_RANKS rows of its A, in L1 or L2 after the first task reads them) in an `omp for`,
- * then the adapters' tiles in order, a run per thread (tiles write disjoint parts of y: a row
- * belongs to one segment, a tile to one piece). */
+/* The segments' updates of the step's rows, with t scratch [rows of the step, R]: the shrink's
+ * tasks (four rows of one adapter against LORA_RANKS rows of its A, in L1 or L2 after the first
+ * task reads them) in an `omp for`, then the adapters' tiles in order, a run per thread (tiles
+ * write disjoint parts of y: a row belongs to one segment, a tile to one piece). Giving each
+ * thread whole adapters instead (their shrink and expand, no barrier between) measured the same;
+ * splitting the expand by y's columns, as the base product splits them, took 60% longer (each
+ * thread then reads half of every adapter's tiles: twice the streams, half as long). */
 LORA_INLINE void lora_add_rows_of(const struct lora_batch *batch, int64_t index, const float *x, float *y,
                                   int64_t k, int64_t n, float *t, const int bf16) {
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), adapters = batch->num_adapters;
-    if (adapters >= LORA_WHOLE_ADAPTERS * threads) {
-        const int64_t begin = adapters * me / threads, end = adapters * (me + 1) / threads;
-        for (int64_t a = begin; a < end; a++) {
-            const struct lora_projection *p = batch->adapters[a] + index;
-            if (a + 1 < end)
-                for (int64_t line = 0; line < LORA_PREFETCH; line += 64)
-                    __builtin_prefetch((const char *)batch->adapters[a + 1][index].a + line);
-            for (int64_t s = batch->starts[a]; s < batch->starts[a + 1]; s += LORA_BLOCK_ROWS)
-                lora_shrink_rows(batch, a, p, s, 0, p->rank, x, k, t, bf16);
-            for (int64_t q = 0; q < p->num_pieces; q++)
-                lora_expand_rows(batch, a, p->pieces + q, 0, lora_tiles(p->pieces + q), t, y, n, bf16);
-        }
-        return;
-    }
     const int64_t chunks = (batch->max_rank + LORA_RANKS - 1) / LORA_RANKS;
     int64_t tasks = 0;
     for (int64_t a = 0; a < adapters; a++)
