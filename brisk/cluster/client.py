@@ -285,14 +285,18 @@ class RayEngineClient(EngineClient):
         with self._adapters_lock:
             if self._changing:
                 return
+            # An ingress Ray Serve restarted counts on from what the replicas have seen
+            self._version = max([self._version, *(r.adapters_version for r in reports)])
             adapters, version = dict(self._adapters), self._version
         wanted = {name: info.identity for name, info in adapters.items()}
         behind = [r.replica_id for r in reports if r.adapters != wanted]
         if behind and time.monotonic() - self._synced_at >= _RESYNC_SECONDS:
             self._synced_at = time.monotonic()
             logger.info("replicas %s serve other adapters than %s: bringing them in line", behind, sorted(wanted))
-            self._handle.broadcast("sync_adapters", adapters, version).results(timeout_s=_CALL_TIMEOUT_SECONDS,
-                                                                                return_exceptions=True)
+            # from a thread of its own: reading adapters may take longer than a poll, which keeps health fresh
+            threading.Thread(target=self._handle.broadcast("sync_adapters", adapters, version).results,
+                             kwargs={"timeout_s": _CALL_TIMEOUT_SECONDS, "return_exceptions": True},
+                             daemon=True).start()
 
     def _combine(self, live: dict[str, EngineSnapshot]) -> EngineSnapshot:
         """The `live` replicas' snapshots (replica id -> snapshot) summed, their counters added to

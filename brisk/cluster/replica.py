@@ -10,6 +10,7 @@ engine died; `__del__` is its graceful-shutdown hook.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections import deque
@@ -25,6 +26,8 @@ from brisk.engine.request import NO_OPTIONS, RequestOptions
 from brisk.engine.stats import EngineSnapshot, IterationStats
 from brisk.model.tokenizer import Tokenizer
 from brisk.sampling_params import SamplingParams
+
+logger = logging.getLogger("brisk.cluster")
 
 # Step records kept for the ingress between two of its polls (it polls twice a second; a
 # replica steps at most a few hundred times a second), the oldest dropped if nobody polls.
@@ -49,6 +52,7 @@ class ReplicaReport:
     healthy: bool
     records: list[tuple[EngineSnapshot, IterationStats]] = field(default_factory=list)
     adapters: dict[str, str] = field(default_factory=dict)
+    adapters_version: int = 0  # the latest change to the adapters it has seen (EngineReplica.sync_adapters)
 
 
 class _RecordBuffer:
@@ -105,7 +109,8 @@ class EngineReplica:
     def report(self) -> ReplicaReport:
         adapters = self.engine.engine.adapters  # None with LoRA off; its dict is copied whole (under the GIL)
         identities = {} if adapters is None else {n: i.identity for n, i in dict(adapters.infos).items()}
-        return ReplicaReport(self.replica_id, os.getpid(), self.engine.is_healthy(), self._records.drain(), identities)
+        return ReplicaReport(self.replica_id, os.getpid(), self.engine.is_healthy(), self._records.drain(), identities,
+                             self._adapters_version)
 
     async def snapshot(self) -> tuple[str, EngineSnapshot]:
         return self.replica_id, await self.engine.stats()
@@ -128,13 +133,20 @@ class EngineReplica:
         Serve started after adapters were loaded or unloaded at run time (a replacement, or one
         more under load) catches up."""
         served = self.engine.engine.adapters
-        if served is None or version < self._adapters_version:
+        if served is None:
             return
-        for name in set(served.infos) - set(adapters):
-            await self.engine.unload_adapter(name)
-        for name, info in adapters.items():
-            if served.infos.get(name) != info:
-                await self.engine.load_adapter(name, info.path, replace=True)
+        changes = [(name, None) for name in set(served.infos) - set(adapters)]
+        changes += [(name, info) for name, info in adapters.items() if served.infos.get(name) != info]
+        for name, info in changes:
+            if version < self._adapters_version:  # a load or unload came in meanwhile: it stands
+                return
+            try:
+                if info is None:
+                    await self.engine.unload_adapter(name)
+                else:
+                    await self.engine.load_adapter(name, info.path, replace=True)
+            except Exception:  # noqa: BLE001 - one adapter (its folder missing on this node) stops no other
+                logger.exception("replica %s: bringing adapter %s in line failed", self.replica_id, name)
 
     def abort_all(self) -> None:
         self.engine.abort_all()

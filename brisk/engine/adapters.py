@@ -93,9 +93,8 @@ class Adapters:
         server runs it off the engine's loop (the files may take a while), then `load`."""
         if not name:
             raise LoRAError("lora_name", "an adapter needs a name")
-        identity = content_digest(path)
-        weights, rank = self._read(name, path)
-        return ReadAdapter(AdapterInfo(name, path, rank, identity), weights)
+        weights, rank = self._read(name, path)  # first: it names a missing or malformed adapter
+        return ReadAdapter(AdapterInfo(name, path, rank, content_digest(path)), weights)
 
     def load(self, name: str, path: str, replace: bool = False, read: ReadAdapter | None = None) -> AdapterInfo:
         """Serves the adapter in `path` as `name` (its files read here, or already: `read`).
@@ -106,7 +105,7 @@ class Adapters:
             raise LoRAError("lora_name", "an adapter needs a name")
         known = self.infos.get(name)
         if known is not None and not replace:
-            if known.path == path and content_digest(path) == known.identity:
+            if known.path == path and (read.info.identity if read else content_digest(path)) == known.identity:
                 return known
             raise LoRAError("lora_name", f"an adapter named {name!r} is already loaded (from {known.path}); "
                                          "unload it first, or load it in place")

@@ -1,5 +1,6 @@
-/* lora_add: the adapters' updates of one projection for the layer-by-layer path (prefill chunks,
- * batches past the fused decode step), in a parallel region of its own around lora.h's loops.
+/* lora_add: the adapters' updates of one projection, in a parallel region of its own around
+ * lora.h's loops: after a dense projection of the layer-by-layer path (prefill chunks, batches
+ * past the fused decode step; a quantized projection adds them in its own call, quant_linear.c).
  * y [m, n] += the update of projection `index` (layer * LORA_PROJECTIONS + which) for x [m, k]. */
 #include <stdint.h>
 

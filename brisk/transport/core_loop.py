@@ -62,7 +62,9 @@ class Prepare:
     """Runs prepare(engine) on a thread of its own, off the loop, then fn(engine, prepared)
     between steps; the reply carries call_id back. For work that would stall every stream if the
     loop did it (reading a LoRA adapter's files): the loop steps on meanwhile. prepare may read
-    only what stays fixed while the engine runs (its model's shapes, its settings)."""
+    only what stays fixed while the engine runs (its model's shapes, its settings). fn runs when
+    prepare is done, so after commands posted later (an unload sent right after a load may run
+    first)."""
 
     call_id: int
     prepare: Callable[[LLMEngine], object]
@@ -218,7 +220,7 @@ class EngineLoop:
                     except Exception as exc:  # noqa: BLE001 - handed back to the caller
                         reply = CallReply(call_id, error=exc)
                     self.outbox.answer(reply)
-                case Prepare():
+                case Prepare() if not self._stopping:  # stopping: close() fails the call
                     threading.Thread(target=self._prepare, args=(command,), name="brisk-prepare", daemon=True).start()
         return step
 
@@ -228,6 +230,8 @@ class EngineLoop:
             then = functools.partial(_finish_prepared, command.fn, command.prepare(self.engine))
         except Exception as exc:  # noqa: BLE001 - handed back to the caller, from the loop
             then = functools.partial(_raise, exc)
+        except BaseException as exc:  # the caller must hear of it (it would wait forever); the loop goes on
+            then = functools.partial(_raise, RuntimeError(f"preparing the call failed: {exc!r}"))
         self.inbox.post(Call(command.call_id, then))
 
     def _abort(self, request_ids: list[str], step: StepOutputs) -> None:

@@ -191,6 +191,8 @@ def test_errors_name_the_problem(served, llm, tmp_path):
         plain.engine.add_request([5, 6], SamplingParams(), lora_request=LoRARequest("qv", 1, served[1]["qv"]))
     with pytest.raises(LoRAError, match="not found"):
         engine.load_adapter("empty", str(tmp_path))
+    with pytest.raises(LoRAError):  # not a FileNotFoundError (a server's 500): a 400 naming the path
+        engine.load_adapter("gone", str(tmp_path / "gone"))
     assert_no_leaks(engine)
 
 

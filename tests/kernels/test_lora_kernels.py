@@ -74,7 +74,7 @@ def test_tiles_hold_b_transposed_in_the_kernels_order():
 @pytest.mark.parametrize("num_rows", [1, 7, 16, 300])
 def test_the_segmented_product_adds_each_rows_own_adapter(dtype, num_rows, march):
     first, second, third = _adapter(4, dtype, 1), _adapter(8, dtype, 2), _adapter(3, dtype, 3, modules=(0, 2))
-    wide = _adapter(70, dtype, 4, modules=(1,))  # past the ranks the expand holds at once (LORA_EXPAND_RANKS)
+    wide = _adapter(67, dtype, 4, modules=(0, 1))  # past the ranks the expand holds at once, over q's 3 tiles
     # the same adapter at two scales is two segments
     uses = [None, (first, 1.0), (second, 1.0), (third, 1.0), (first, -0.5), (wide, 0.25)]
     choice = torch.Generator().manual_seed(num_rows)
