@@ -260,8 +260,9 @@ class RayEngineClient(EngineClient):
             try:
                 reports = self._broadcast("report", _POLL_TIMEOUT_SECONDS)
                 if reports is not None:
-                    self._replay([r for r in reports if isinstance(r, ReplicaReport)])
-                    self._reconcile([r for r in reports if isinstance(r, ReplicaReport)])
+                    reports = [r for r in reports if isinstance(r, ReplicaReport)]
+                    self._replay(reports)
+                    self._reconcile(reports)
             except Exception:  # noqa: BLE001 - a logger's failure must not end the polling (and health)
                 logger.exception("replaying the replicas' step records failed")
 

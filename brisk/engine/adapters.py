@@ -101,9 +101,7 @@ class Adapters:
         Loading a name again from the same files does nothing; from others it is refused, unless
         `replace`: then the new adapter takes the name once it is read (requests in flight finish
         with the old one)."""
-        if not name:
-            raise LoRAError("lora_name", "an adapter needs a name")
-        known = self.infos.get(name)
+        known = self.infos.get(name)  # never an empty name: read refuses it
         if known is not None and not replace:
             if known.path == path and (read.info.identity if read else content_digest(path)) == known.identity:
                 return known

@@ -29,7 +29,7 @@ import torch
 
 from brisk.kernels.backend import ACTIVATIONS, KernelBackend, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
-from brisk.kernels.lora import PROJECTIONS as LORA_PROJECTIONS, LoRABatch, LoRAUpdate
+from brisk.kernels.lora import LoRABatch, LoRAUpdate, table_index
 from brisk.kernels.lora import _Batch as _LoRABatch
 from brisk.kernels.packed import (GROUP_SIZES, GROUPED_FORMATS, TILE_BLOCK_BYTES, MixedTensor, QuantizedTensor,
                                   tile_rows, tiles_rows)
@@ -466,9 +466,9 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, proj
     its rows, for float32 x [m, k] (lora.h). march: see _library."""
     assert y.is_contiguous() and lora.packed
     x = x.contiguous()
-    _check(_library("lora.c", march=march).lora_add(ctypes.byref(lora.struct()),
-                                       layer * len(LORA_PROJECTIONS) + LORA_PROJECTIONS.index(projection),
-                                       x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], y.shape[1]), "lora_add")
+    _check(_library("lora.c", march=march).lora_add(ctypes.byref(lora.struct()), table_index(layer, projection),
+                                                    x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], y.shape[1]),
+           "lora_add")
 
 
 def lora_bf16_products(march: str = "native") -> bool:

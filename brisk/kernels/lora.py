@@ -42,6 +42,12 @@ COLUMNS = 128  # lora.h's LORA_COLUMNS: the outputs a tile of B^T holds
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
+def table_index(layer: int, projection: str) -> int:
+    """A projection's place in an adapter's table of updates (lora.h: layer * LORA_PROJECTIONS +
+    enum lora_target), which the C kernels are handed."""
+    return layer * len(PROJECTIONS) + PROJECTIONS.index(projection)
+
+
 @dataclass(frozen=True)
 class LoRAPiece:
     """One adapted module's B inside a fused projection, kept transposed: the expand adds t[i, r]
@@ -121,7 +127,7 @@ class AdapterWeights:
             pieces = dict(zip(projections, self._pieces))
             self._table = (_Projection * (num_layers * len(PROJECTIONS)))()
             for (layer, name), p in projections.items():
-                entry = self._table[layer * len(PROJECTIONS) + PROJECTIONS.index(name)]
+                entry = self._table[table_index(layer, name)]
                 entry.a, entry.rank, entry.num_pieces, entry.pieces = p.a.data_ptr(), p.rank, len(p.pieces), \
                     pieces[(layer, name)]
 
@@ -207,8 +213,7 @@ class LoRAUpdate(NamedTuple):
 
     @property
     def index(self) -> int:
-        """Its place in an adapter's table (lora.h: layer * LORA_PROJECTIONS + enum lora_target)."""
-        return self.layer * len(PROJECTIONS) + PROJECTIONS.index(self.projection)
+        return table_index(self.layer, self.projection)
 
 
 def _packed(projections: dict[tuple[int, str], LoRAProjection]) -> dict[tuple[int, str], LoRAProjection]:
@@ -225,7 +230,8 @@ def _packed(projections: dict[tuple[int, str], LoRAProjection]) -> dict[tuple[in
 
 
 def _group(dtype: torch.dtype) -> int:
-    """Ranks a tile interleaves: bfloat16 pairs, the operands of AVX-512 BF16's dot products (lora.h)."""
+    """Ranks a tile interleaves: bfloat16 pairs, one 32-bit word per output that the expand widens to
+    two floats by a shift and a mask (lora.h)."""
     return 2 if dtype == torch.bfloat16 else 1
 
 

@@ -79,8 +79,9 @@ _LIMIT_FIELDS = {"weight": float, "max_concurrent": int, "max_queued_tokens": in
 
 def read_api_keys(path: str) -> APIKeys:
     """`KEY TENANT [weight=W] [max_concurrent=N] [max_queued_tokens=T] [adapters=A,B]` per line,
-    `#` comments and blank lines skipped (adapters: the only LoRA adapters the tenant may use). A key listed twice is an error, and so are two lines of one tenant that
-    disagree on its limits (a limit given on one line and left out on another agrees)."""
+    `#` comments and blank lines skipped (adapters: the only LoRA adapters the tenant may use). A
+    key listed twice is an error, and so are two lines of one tenant that disagree on its limits
+    (a limit given on one line and left out on another agrees)."""
     tenants: dict[str, str] = {}
     given: dict[str, dict[str, float | int]] = {}
     with open(path) as f:

@@ -87,7 +87,8 @@ class ModelInfo:
             num_kv_blocks=engine.kv.num_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, identity=_identity(engine),
-            verifies_drafts=engine.step_hook.verifies_supplied_drafts, max_loras=config.max_loras if engine.adapters is not None else None,
+            verifies_drafts=engine.step_hook.verifies_supplied_drafts,
+            max_loras=config.max_loras if engine.adapters is not None else None,
             adapters=tuple(engine.adapters.infos.values()) if engine.adapters is not None else (),
         )
 
