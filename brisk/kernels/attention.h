@@ -70,6 +70,15 @@ static inline int64_t decode_first_key(int64_t window, const int64_t *positions,
  * the tile loops (DECODE_TILE picks the copy), which is what lets the compiler keep those arrays
  * in registers: with the group a loop bound, the value sums lived on the stack, a store and a
  * reload per key, and the pass ran at the latency of that chain.
+ *
+ * Each copy is a function of its own, never inlined, and so is every other step of a row's
+ * arithmetic (part_weights, merge_part): decode rows and prefill rows, in whichever kernel or
+ * library, run the same machine code on the same numbers in the same order. The kernels build
+ * with -ffast-math, under which two inlined copies of one loop may be vectorized or reassociated
+ * differently; a row's last bits would then depend on which kernel ran it, and int8 activation
+ * rounding turns last bits into other tokens (a prompt's tail after a prefix-cache hit runs as
+ * decode rows, the same prompt cold as a prefill chunk: with two kernels, greedy answers left
+ * the cold run's after 0 to 56 tokens).
  */
 #define QHEADS 4
 #ifdef __AVX512F__
@@ -79,27 +88,45 @@ static inline int64_t decode_first_key(int64_t window, const int64_t *positions,
 #endif
 #define VCHUNK (HEAD_DIM % VCHUNK_MAX == 0 ? VCHUNK_MAX : HEAD_DIM % 16 == 0 ? 16 : HEAD_DIM % 8 == 0 ? 8 : HEAD_DIM)
 
-/* Calls FN(..., G) with G the tile's heads as a constant: 1 .. QHEADS. */
+/* Calls FN_G(...), the copy of FN for G = the tile's heads: 1 .. QHEADS. */
 #define DECODE_TILE(heads, FN, ...)                                                                       \
     switch ((heads) < QHEADS ? (heads) : QHEADS) {                                                        \
-        case 1: FN(__VA_ARGS__, 1); break;                                                                \
-        case 2: FN(__VA_ARGS__, 2); break;                                                                \
-        case 3: FN(__VA_ARGS__, 3); break;                                                                \
-        default: FN(__VA_ARGS__, QHEADS); break;                                                          \
+        case 1: FN##_1(__VA_ARGS__); break;                                                               \
+        case 2: FN##_2(__VA_ARGS__); break;                                                               \
+        case 3: FN##_3(__VA_ARGS__); break;                                                               \
+        default: FN##_4(__VA_ARGS__); break;                                                              \
     }
 
+/* FN_1 .. FN_4: BODY's copies for G = 1 .. QHEADS, each its own function (see above). */
+#define DEFINE_TILE_COPIES(FN, BODY, PARAMS, ARGS)                                                        \
+    static __attribute__((noinline, unused)) void FN##_1 PARAMS { BODY(ARGS, 1); }                        \
+    static __attribute__((noinline, unused)) void FN##_2 PARAMS { BODY(ARGS, 2); }                        \
+    static __attribute__((noinline, unused)) void FN##_3 PARAMS { BODY(ARGS, 3); }                        \
+    static __attribute__((noinline, unused)) void FN##_4 PARAMS { BODY(ARGS, QHEADS); }
+
+#define SCORE_PARAMS(CT)                                                                                  \
+    (const float *restrict query, const CT *restrict keys, const float *restrict ks,                     \
+     float *restrict scores, int64_t stride, const CT *ahead_keys, const CT *ahead_values)
+#define SCORE_ARGS query, keys, ks, scores, stride, ahead_keys, ahead_values
+#define SUM_PARAMS(CT)                                                                                    \
+    (const float *restrict weights, int64_t wstride, const CT *restrict values, const float *restrict vs, \
+     int64_t n, float *restrict out, int64_t stride)
+#define SUM_ARGS weights, wstride, values, vs, n, out, stride
+
 /* scores[g][t] = query[g] . key t of the block (times the key's scale), for G query heads; rows of
- * scores `stride` apart. Keys are stored transposed: dim d of the block's keys is one row. */
+ * scores `stride` apart. Keys are stored transposed: dim d of the block's keys is one row. With
+ * ahead_keys non-NULL, a later block's K and V are asked for on the way. */
 #define DEFINE_DECODE_TILES(SUFFIX, CT, LOAD_C, SCALED)                                                   \
-    static inline __attribute__((always_inline)) void score_tile_##SUFFIX(                                \
+    static inline __attribute__((always_inline)) void score_tile_body_##SUFFIX(                           \
         const float *restrict query, const CT *restrict keys, const float *restrict ks,                  \
         float *restrict scores, int64_t stride, const CT *ahead_keys, const CT *ahead_values, const int G) { \
         float sums[2][QHEADS][BLOCK_SIZE] = {{{0}}};                                                      \
         for (int64_t d = 0; d < HEAD_DIM; d += 2) {                                                       \
-            for (int u = 0; u < 2; u++) { /* a later block's K and V, a row each per row read here */     \
-                __builtin_prefetch(ahead_keys + (d + u) * BLOCK_SIZE);                                    \
-                __builtin_prefetch(ahead_values + (d + u) * BLOCK_SIZE);                                  \
-            }                                                                                             \
+            if (ahead_keys)                                                                               \
+                for (int u = 0; u < 2; u++) { /* a later block's K and V, a row each per row read here */ \
+                    __builtin_prefetch(ahead_keys + (d + u) * BLOCK_SIZE);                                \
+                    __builtin_prefetch(ahead_values + (d + u) * BLOCK_SIZE);                              \
+                }                                                                                         \
             for (int u = 0; u < 2; u++)                                                                   \
                 for (int g = 0; g < G; g++) { /* a key row's conversion is shared by the unrolled heads */ \
                     const float qd = query[g * HEAD_DIM + d + u];                                         \
@@ -113,9 +140,12 @@ static inline int64_t decode_first_key(int64_t window, const int64_t *positions,
                 scores[g * stride + t] = SCALED ? (sums[0][g][t] + sums[1][g][t]) * ks[t]                  \
                                                 : sums[0][g][t] + sums[1][g][t];                          \
     }                                                                                                     \
+    DEFINE_TILE_COPIES(score_tile_##SUFFIX, score_tile_body_##SUFFIX, SCORE_PARAMS(CT), SCORE_ARGS)       \
     /* sums[g] (VCHUNK-strided rows `stride` apart) += weights[g][t] * values[t] over the block's first n \
-     * values (each scaled by its own scale), for G query heads; weights rows `wstride` apart */          \
-    static inline __attribute__((always_inline)) void sum_tile_##SUFFIX(                                  \
+     * values (each scaled by its own scale), for G query heads; weights rows `wstride` apart. A value \
+     * is converted where each head uses it: a converted copy shared by the heads let the compiler     \
+     * keep a float32 cache's sums on the stack (its decode attention 30% slower, prefill 2x). */     \
+    static inline __attribute__((always_inline)) void sum_tile_body_##SUFFIX(                             \
         const float *restrict weights, int64_t wstride, const CT *restrict values,                       \
         const float *restrict vs, int64_t n, float *restrict out, int64_t stride, const int G) {         \
         float w[QHEADS][BLOCK_SIZE];                                                                      \
@@ -127,53 +157,194 @@ static inline int64_t decode_first_key(int64_t window, const int64_t *positions,
             for (int g = 0; g < G; g++)                                                                   \
                 for (int64_t c = 0; c < VCHUNK; c++) acc[g][c] = out[g * stride + d0 + c];                \
             for (int64_t t = 0; t < n; t++) {                                                             \
-                float v[VCHUNK];                                                                          \
-                _Pragma("omp simd")                                                                       \
-                for (int64_t c = 0; c < VCHUNK; c++) v[c] = LOAD_C(values[t * HEAD_DIM + d0 + c]);         \
+                const CT *v = values + t * HEAD_DIM + d0;                                                 \
                 for (int g = 0; g < G; g++) {                                                             \
                     const float wt = w[g][t];                                                             \
                     _Pragma("omp simd")                                                                   \
-                    for (int64_t c = 0; c < VCHUNK; c++) acc[g][c] += wt * v[c];                          \
+                    for (int64_t c = 0; c < VCHUNK; c++) acc[g][c] += wt * LOAD_C(v[c]);                  \
                 }                                                                                         \
             }                                                                                             \
             for (int g = 0; g < G; g++)                                                                   \
                 for (int64_t c = 0; c < VCHUNK; c++) out[g * stride + d0 + c] = acc[g][c];                \
         }                                                                                                 \
-    }
+    }                                                                                                     \
+    DEFINE_TILE_COPIES(sum_tile_##SUFFIX, sum_tile_body_##SUFFIX, SUM_PARAMS(CT), SUM_ARGS)
 DEFINE_DECODE_TILES(f32, float, load_f32, 0)
 DEFINE_DECODE_TILES(bf16, uint16_t, load_bf16, 0)
 DEFINE_DECODE_TILES(f16, uint16_t, load_f16, 0)
 DEFINE_DECODE_TILES(i8, int8_t, load_i8, 1)
 
-/* A task is a part of one (sequence, kv head) pair's keys: DECODE_PART_TOKENS of them, counted
- * from the first the row sees, and the parts' softmaxes merged after in their order
- * (flash-decoding's split), so one sequence (as many pairs as kv heads: 3 for SmolLM2, on 2
- * threads) still gives every thread work. The parts are a fixed size, not a number chosen by
- * the batch: a row's sums then run in the same order whatever else the step holds. That is what
- * makes a speculative verify pass (the row and its drafts, one step) compute the row exactly as
- * decoding it alone would: splitting by the batch's size moved the last bits of attention, and
- * int8 activation rounding turned those into logprob changes of up to 0.4 on SmolLM2, enough to
- * change greedy output. `parts` is the most any row of the batch has. */
+/* A row's keys are taken in parts of DECODE_PART_TOKENS, its softmax computed per part and the
+ * parts merged after, in their order (flash-decoding's split): one sequence (as many (sequence,
+ * kv head) pairs as kv heads: 3 for SmolLM2, on 2 threads) still gives every thread work. Parts
+ * are fixed runs of the cache counted from its first block (part p: blocks [p, p + 1) x
+ * DECODE_PART_BLOCKS), not a number chosen by the batch, so a row's sums run in the same order
+ * whatever else the step holds and whichever kernel runs it: that is what makes a speculative
+ * verify pass (the row and its drafts, one step) compute the row exactly as decoding it alone
+ * would, and a prompt's rows in a prefill chunk exactly as decode rows (splitting by the batch's
+ * size moved the last bits of attention, and int8 activation rounding turned those into logprob
+ * changes of up to 0.4 on SmolLM2, enough to change greedy output). A row of a sliding-window
+ * layer starts at the part of its window's first key. */
 #define DECODE_PART_TOKENS 128
 #define DECODE_PART_BLOCKS (DECODE_PART_TOKENS > BLOCK_SIZE ? DECODE_PART_TOKENS / BLOCK_SIZE : 1)
+#define PART_KEYS (DECODE_PART_BLOCKS * BLOCK_SIZE)
 static inline int64_t decode_attention_parts(int64_t max_blocks) {
     return max_blocks > DECODE_PART_BLOCKS ? (max_blocks + DECODE_PART_BLOCKS - 1) / DECODE_PART_BLOCKS : 1;
 }
+
+/* The first part a row whose first seen key is `seen` reads, and how many it reads at context
+ * length `len` (>= 1). */
+static inline int64_t row_first_part(int64_t seen) { return seen / BLOCK_SIZE / DECODE_PART_BLOCKS; }
+static inline int64_t row_parts(int64_t len, int64_t seen) {
+    return ((len + BLOCK_SIZE - 1) / BLOCK_SIZE - 1) / DECODE_PART_BLOCKS - row_first_part(seen) + 1;
+}
+
+/* The blocks [*lo, *hi) of part `part` such a row reads; 0 where it reads none. */
+static inline int part_blocks(int64_t part, int64_t len, int64_t seen, int64_t *lo, int64_t *hi) {
+    const int64_t first = part * DECODE_PART_BLOCKS, blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    *lo = first > seen / BLOCK_SIZE ? first : seen / BLOCK_SIZE;
+    *hi = first + DECODE_PART_BLOCKS < blocks ? first + DECODE_PART_BLOCKS : blocks;
+    return *lo < *hi;
+}
+
+/* p [padded]: one head's scores against a row's keys in one part, the first n its own (the rest
+ * pad the part's last block). Out: p[t] = exp(p[t] - top) for t < n, 0 after; returns their sum,
+ * *top_out = top, the largest of the n (-FLT_MAX where every key is hidden: its weight in the merge,
+ * exp(-FLT_MAX - the row's top), is 0). The sum runs in BLOCK_SIZE lanes and then a fixed tree, an
+ * order no compiler picks for itself. */
+static __attribute__((noinline, unused)) float part_weights(float *restrict p, int64_t n, int64_t padded,
+                                                            float *restrict top_out) {
+    float top = -FLT_MAX, lanes[BLOCK_SIZE] = {0};
+    for (int64_t t = 0; t < n; t++) top = p[t] > top ? p[t] : top;
+    for (int64_t b = 0; b < padded; b += BLOCK_SIZE) {
+        _Pragma("omp simd")
+        for (int64_t t = 0; t < BLOCK_SIZE; t++) p[b + t] = expf(p[b + t] - top);
+        if (b + BLOCK_SIZE > n) /* the last block: its padding weighs 0 */
+            for (int64_t t = n - b; t < BLOCK_SIZE; t++) p[b + t] = 0.0f;
+        _Pragma("omp simd")
+        for (int64_t t = 0; t < BLOCK_SIZE; t++) lanes[t] += p[b + t];
+    }
+    for (int64_t width = 1; width < BLOCK_SIZE; width *= 2)
+        for (int64_t t = 0; t + width < BLOCK_SIZE; t += 2 * width) lanes[t] += lanes[t + width];
+    *top_out = top;
+    return lanes[0];
+}
+
+/* A row's head across parts: state and part are (top, sum of exp(score - top), unnormalized
+ * output [HEAD_DIM]); state takes in the next part, both rescaled to the larger top. A state
+ * starts as (-FLT_MAX, 0, 0) (merge_start), so merging the first part copies it exactly. */
+static inline void merge_start(float *restrict state) {
+    state[0] = -FLT_MAX;
+    for (int64_t d = 1; d < HEAD_DIM + 2; d++) state[d] = 0.0f;
+}
+
+static __attribute__((noinline, unused)) void merge_part(float *restrict state, const float *restrict part) {
+    const float top = part[0] > state[0] ? part[0] : state[0];
+    const float kept = expf(state[0] - top), added = expf(part[0] - top);
+    state[0] = top;
+    for (int64_t d = 1; d < HEAD_DIM + 2; d++) state[d] = state[d] * kept + part[d] * added;
+}
+
+/*
+ * One part of one sequence's keys (kv head h) for `rows` query rows of it: row r at context
+ * length lens[r], seeing keys from seens[r] on (and, with ancestors, among the 63 keys before its
+ * own only those its mask keeps), its `group` heads' scaled queries at query + (r * group + g) *
+ * HEAD_DIM. For each row with keys in the part, results + (r * group + g) * (HEAD_DIM + 2) gets
+ * the part's top, sum and unnormalized output (merge_part's). Rows are taken one by one over each
+ * block, which stays in L1 for all of them; scores rows are PART_KEYS floats apart, a row's
+ * first at its first block.
+ */
+#define DEFINE_ATTEND_PART(CS, CT, SCALED)                                                                \
+    static inline void attend_part_##CS(const float *restrict query, int64_t rows, int64_t group,         \
+                                        const int64_t *restrict lens, const int64_t *restrict seens,      \
+                                        const int64_t *restrict ancestors, int64_t part,                  \
+                                        const int64_t *restrict table, const CT *restrict k_cache,        \
+                                        const CT *restrict v_cache, const float *restrict k_scales,       \
+                                        const float *restrict v_scales, int64_t num_kv_heads, int64_t h,  \
+                                        float *restrict scores, float *restrict results) {                \
+        const int64_t block_elems = BLOCK_SIZE * HEAD_DIM, slot = HEAD_DIM + 2;                           \
+        int64_t lo[rows], hi[rows], end[rows], first = INT64_MAX, last = 0, blocks = 0;                   \
+        for (int64_t r = 0; r < rows; r++) {                                                              \
+            blocks = (lens[r] + BLOCK_SIZE - 1) / BLOCK_SIZE > blocks ? (lens[r] + BLOCK_SIZE - 1) / BLOCK_SIZE : blocks; \
+            if (!part_blocks(part, lens[r], seens[r], lo + r, hi + r)) hi[r] = lo[r];                     \
+            end[r] = hi[r] * BLOCK_SIZE < lens[r] ? hi[r] * BLOCK_SIZE : lens[r];                         \
+            if (lo[r] < hi[r]) {                                                                          \
+                first = lo[r] < first ? lo[r] : first;                                                    \
+                last = hi[r] > last ? hi[r] : last;                                                       \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int64_t b = first; b < last; b++) {                                                          \
+            if (b == first) /* the first blocks: at once; the rest, as the keys are read */               \
+                for (int64_t a = b; a < b + KV_AHEAD && a < last; a++) {                                  \
+                    prefetch_block(k_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
+                    prefetch_block(v_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
+                }                                                                                         \
+            const int64_t ahead = (b + KV_AHEAD < blocks ? table[b + KV_AHEAD] : table[b]) * num_kv_heads + h; \
+            const CT *keys = k_cache + (table[b] * num_kv_heads + h) * block_elems;                       \
+            const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL;       \
+            int asked = 0; /* the first row to read the block asks for the later one */                  \
+            for (int64_t r = 0; r < rows; r++) {                                                          \
+                if (b < lo[r] || b >= hi[r]) continue;                                                    \
+                for (int64_t g = 0; g < group; g += QHEADS)                                               \
+                    DECODE_TILE(group - g, score_tile_##CS, query + (r * group + g) * HEAD_DIM, keys, ks,  \
+                                scores + (r * group + g) * PART_KEYS + (b - lo[r]) * BLOCK_SIZE, PART_KEYS, \
+                                asked ? NULL : k_cache + ahead * block_elems, v_cache + ahead * block_elems) \
+                asked = 1;                                                                                \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int64_t r = 0; r < rows; r++) {                                                              \
+            if (lo[r] == hi[r]) continue;                                                                 \
+            const int64_t len = lens[r], start = lo[r] * BLOCK_SIZE;                                      \
+            const uint64_t mask = ancestors ? (uint64_t)ancestors[r] : ~(uint64_t)0;                      \
+            for (int64_t g = 0; g < group; g++) {                                                         \
+                float *p = scores + (r * group + g) * PART_KEYS, *result = results + (r * group + g) * slot; \
+                if (~mask) /* a tree row: hide the keys of other branches */                              \
+                    for (int64_t j = 1; j < 64 && j < len; j++)                                           \
+                        if (!((mask >> j) & 1) && len - 1 - j >= start && len - 1 - j < end[r])           \
+                            p[len - 1 - j - start] = -FLT_MAX;                                            \
+                for (int64_t t = start; t < seens[r] && t < end[r]; t++) p[t - start] = -FLT_MAX;         \
+                result[1] = part_weights(p, end[r] - start, (hi[r] - lo[r]) * BLOCK_SIZE, result);        \
+                for (int64_t d = 0; d < HEAD_DIM; d++) result[2 + d] = 0.0f;                              \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int64_t b = first; b < last; b++) { /* each value block read once for every row */          \
+            const CT *values = v_cache + (table[b] * num_kv_heads + h) * block_elems;                     \
+            const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL;      \
+            for (int64_t r = 0; r < rows; r++) {                                                          \
+                if (b < lo[r] || b >= hi[r]) continue;                                                    \
+                const int64_t n = end[r] - b * BLOCK_SIZE < BLOCK_SIZE ? end[r] - b * BLOCK_SIZE : BLOCK_SIZE; \
+                for (int64_t g = 0; g < group; g += QHEADS)                                               \
+                    DECODE_TILE(group - g, sum_tile_##CS,                                                 \
+                                scores + (r * group + g) * PART_KEYS + (b - lo[r]) * BLOCK_SIZE, PART_KEYS, \
+                                values, vs, n, results + (r * group + g) * slot + 2, slot)                \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+DEFINE_ATTEND_PART(f32, float, 0)
+DEFINE_ATTEND_PART(bf16, uint16_t, 0)
+DEFINE_ATTEND_PART(f16, uint16_t, 0)
+DEFINE_ATTEND_PART(i8, int8_t, 1)
+
+/* A row's output for one head from its merged state. */
+#define FINISH_ROW(state, out, STORE_X)                                                                   \
+    do {                                                                                                  \
+        const float inv = 1.0f / (state)[1];                                                              \
+        for (int64_t d = 0; d < HEAD_DIM; d++) (out)[d] = STORE_X((state)[2 + d] * inv);                  \
+    } while (0)
 
 /* The scratch decode attention needs, allocated by its caller before the parallel region:
  *
  *   partials  [seqs, kv_heads, parts, group, HEAD_DIM + 2]   per part and query head: the part's
  *             largest score, its sum of exponentials and its unnormalized output
  *   scores    [threads] rows of decode_attention_scores()    a thread's task at a time: its
- *             group's scaled queries and their scores against the part's keys
- *
- * A part spans at most DECODE_PART_BLOCKS blocks. */
+ *             group's scores against the part's keys, then its scaled queries
+ */
 static inline int64_t decode_attention_partials(int64_t num_seqs, int64_t num_heads, int64_t parts) {
     return cache_lines_of_floats(num_seqs * num_heads * parts * (HEAD_DIM + 2));
 }
 
 static inline int64_t decode_attention_scores(int64_t num_heads, int64_t num_kv_heads) {
-    return cache_lines_of_floats(num_heads / num_kv_heads * (DECODE_PART_BLOCKS * BLOCK_SIZE + HEAD_DIM));
+    return cache_lines_of_floats(num_heads / num_kv_heads * (PART_KEYS + HEAD_DIM));
 }
 
 /* Floats of the whole scratch, for `threads` = omp_get_max_threads() (a team's size at most). */
@@ -195,8 +366,7 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                                                  int64_t num_seqs, int64_t num_heads,                     \
                                                  int64_t num_kv_heads, int64_t max_blocks, int64_t window, \
                                                  float scale, int64_t parts, float *restrict scratch) {   \
-        const int64_t group = num_heads / num_kv_heads;                                                   \
-        const int64_t block_elems = BLOCK_SIZE * HEAD_DIM, slot = HEAD_DIM + 2;                           \
+        const int64_t group = num_heads / num_kv_heads, slot = HEAD_DIM + 2;                              \
         float *restrict partials = scratch;                                                               \
         float *scores_of_thread = scratch + decode_attention_partials(num_seqs, num_heads, parts);        \
         const int64_t scores_stride = decode_attention_scores(num_heads, num_kv_heads);                   \
@@ -210,85 +380,30 @@ static inline int64_t decode_attention_scratch(int64_t num_seqs, int64_t num_hea
                 for (int64_t part = 0; part < parts; part++) {                                            \
                     const int64_t len = context_lens[s];                                                  \
                     const int64_t seen = decode_first_key(window, positions, s);                          \
-                    const int64_t blocks = (len + BLOCK_SIZE - 1) / BLOCK_SIZE; /* a part past them: empty */ \
-                    const int64_t first = seen / BLOCK_SIZE + part * DECODE_PART_BLOCKS;                  \
-                    if (first >= blocks) continue; /* past this row's keys: the merge skips it */          \
-                    const int64_t last = first + DECODE_PART_BLOCKS < blocks ? first + DECODE_PART_BLOCKS : blocks; \
-                    const int64_t start = first * BLOCK_SIZE, end = last * BLOCK_SIZE < len ? last * BLOCK_SIZE : len; \
-                    const int64_t padded = (last - first) * BLOCK_SIZE;                                   \
-                    const int64_t *table = block_tables + s * max_blocks;                                 \
-                    float *results = partials + ((s * num_kv_heads + h) * parts + part) * group * slot;   \
+                    if (part >= row_parts(len, seen)) continue; /* past this row's keys: the merge skips it */ \
                     float *scores = scores_of_thread + omp_get_thread_num() * scores_stride;              \
-                    float *restrict query = scores + group * padded;                                      \
+                    float *restrict query = scores + group * PART_KEYS;                                   \
                     for (int64_t g = 0; g < group; g++)                                                   \
                         for (int64_t d = 0; d < HEAD_DIM; d++)                                            \
                             query[g * HEAD_DIM + d] = LOAD_X(q[(s * num_heads + h * group + g) * HEAD_DIM + d]) * scale; \
-                    for (int64_t b = first; b < last; b++) {                                              \
-                        if (b == first) /* the first blocks: at once; the rest, as the keys are read */ \
-                            for (int64_t a = b; a < b + KV_AHEAD && a < last; a++) {                     \
-                                prefetch_block(k_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
-                                prefetch_block(v_cache + (table[a] * num_kv_heads + h) * block_elems, sizeof(CT) * block_elems); \
-                            }                                                                             \
-                        const int64_t ahead = (b + KV_AHEAD < blocks ? table[b + KV_AHEAD] : table[b]) * num_kv_heads + h; \
-                        const CT *keys = k_cache + (table[b] * num_kv_heads + h) * block_elems;           \
-                        const float *ks = SCALED ? k_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
-                        for (int64_t g = 0; g < group; g += QHEADS)                                       \
-                            DECODE_TILE(group - g, score_tile_##CS, query + g * HEAD_DIM, keys, ks,        \
-                                        scores + g * padded + (b - first) * BLOCK_SIZE, padded,           \
-                                        k_cache + ahead * block_elems, v_cache + ahead * block_elems)     \
-                    }                                                                                     \
-                    const uint64_t ancestors = ancestor_masks ? (uint64_t)ancestor_masks[s] : ~(uint64_t)0; \
-                    for (int64_t g = 0; g < group; g++) {                                                 \
-                        float *p = scores + g * padded, top = -FLT_MAX, sum = 0.0f;                       \
-                        if (~ancestors) /* a tree row: hide the keys of other branches */                 \
-                            for (int64_t j = 1; j < 64 && j < len; j++)                                   \
-                                if (!((ancestors >> j) & 1) && len - 1 - j >= start && len - 1 - j < end) \
-                                    p[len - 1 - j - start] = -FLT_MAX;                                    \
-                        for (int64_t t = start; t < seen && t < end; t++) p[t - start] = -FLT_MAX;       \
-                        for (int64_t t = 0; t < end - start; t++) top = p[t] > top ? p[t] : top;          \
-                        _Pragma("omp simd reduction(+:sum)")                                              \
-                        for (int64_t t = 0; t < padded; t++) {                                            \
-                            p[t] = t < end - start ? expf(p[t] - top) : 0.0f;                             \
-                            sum += p[t];                                                                  \
-                        }                                                                                 \
-                        /* top stays -FLT_MAX in an empty part, or one whose every key is hidden: its     \
-                         * weight in the merge, exp(-FLT_MAX - the row's top), is 0 */                    \
-                        results[g * slot] = top;                                                          \
-                        results[g * slot + 1] = sum;                                                      \
-                        for (int64_t d = 0; d < HEAD_DIM; d++) results[g * slot + 2 + d] = 0.0f;         \
-                    }                                                                                     \
-                    for (int64_t b = first; b < last; b++) { /* each value block read once for the group */ \
-                        const CT *values = v_cache + (table[b] * num_kv_heads + h) * block_elems;         \
-                        const int64_t n = end - b * BLOCK_SIZE < BLOCK_SIZE ? end - b * BLOCK_SIZE : BLOCK_SIZE; \
-                        const float *vs = SCALED ? v_scales + (table[b] * num_kv_heads + h) * BLOCK_SIZE : NULL; \
-                        for (int64_t g = 0; g < group; g += QHEADS)                                       \
-                            DECODE_TILE(group - g, sum_tile_##CS, scores + g * padded + (b - first) * BLOCK_SIZE, \
-                                        padded, values, vs, n, results + g * slot + 2, slot)              \
-                    }                                                                                     \
+                    attend_part_##CS(query, 1, group, &len, &seen, ancestor_masks ? ancestor_masks + s : NULL, \
+                                     row_first_part(seen) + part, block_tables + s * max_blocks, k_cache, v_cache, \
+                                     k_scales, v_scales, num_kv_heads, h, scores,                         \
+                                     partials + ((s * num_kv_heads + h) * parts + part) * group * slot);  \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-        /* merge the row's parts: each part's sums rescaled to the largest score of all */                \
+        /* merge the row's parts, in their order */                                                      \
         _Pragma("omp for collapse(2) schedule(static)")                                                   \
         for (int64_t s = 0; s < num_seqs; s++) {                                                          \
             for (int64_t head = 0; head < num_heads; head++) {                                            \
                 const int64_t h = head / group, g = head % group;                                         \
-                const int64_t len = context_lens[s];                                                      \
-                const int64_t seen = decode_first_key(window, positions, s);                              \
-                const int64_t own = ((len + BLOCK_SIZE - 1) / BLOCK_SIZE - seen / BLOCK_SIZE + DECODE_PART_BLOCKS - 1) \
-                                    / DECODE_PART_BLOCKS;                                                 \
+                const int64_t own = row_parts(context_lens[s], decode_first_key(window, positions, s));   \
                 const float *first = partials + (s * num_kv_heads + h) * parts * group * slot + g * slot; \
-                float top = -FLT_MAX, total = 0.0f, o[HEAD_DIM] = {0};                                    \
-                for (int64_t part = 0; part < own; part++)                                                \
-                    top = first[part * group * slot] > top ? first[part * group * slot] : top;            \
-                for (int64_t part = 0; part < own; part++) {                                              \
-                    const float *r = first + part * group * slot;                                         \
-                    const float w = expf(r[0] - top);                                                     \
-                    total += w * r[1];                                                                    \
-                    for (int64_t d = 0; d < HEAD_DIM; d++) o[d] += w * r[2 + d];                          \
-                }                                                                                         \
-                const float inv = 1.0f / total;                                                           \
-                for (int64_t d = 0; d < HEAD_DIM; d++) out[(s * num_heads + head) * HEAD_DIM + d] = STORE_X(o[d] * inv); \
+                float state[HEAD_DIM + 2];                                                                \
+                merge_start(state);                                                                       \
+                for (int64_t part = 0; part < own; part++) merge_part(state, first + part * group * slot); \
+                FINISH_ROW(state, out + (s * num_heads + head) * HEAD_DIM, STORE_X);                      \
             }                                                                                             \
         }                                                                                                 \
     }

@@ -63,7 +63,8 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
 }
 # The kernels that allocate scratch return a kernel_status (kernels/status.h, checked by _check);
 # the others return void. tests/kernels/test_abi.py holds both tables to the C declarations.
-_STATUS_KERNELS = frozenset({"paged_decode_attention", "decode_layers", "quant_linear", "sample_rows", "lora_add"})
+_STATUS_KERNELS = frozenset({"paged_decode_attention", "paged_prefill_attention", "decode_layers", "quant_linear",
+                             "sample_rows", "lora_add"})
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CACHE_SUFFIXES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "i8"}  # dtypes.h's kinds
 # Up to this many rows a step runs in the fused decode kernel and a linear layer in linear_rows.
@@ -215,9 +216,9 @@ def prefill_attention(q: torch.Tensor, cache: KVCacheLayer, block_table: torch.T
     """q [L, H_q, D] (contiguous) for positions start..start+L-1 of one sequence -> out [L, H_q, D];
     window > 0: each query sees its last `window` positions only."""
     num_queries, num_heads, _ = q.shape
-    _cache_kernel(_shaped_library("paged_attention.c", cache), "paged_prefill_attention", q.dtype, cache)(
+    _check(_cache_kernel(_shaped_library("paged_attention.c", cache), "paged_prefill_attention", q.dtype, cache)(
         q.data_ptr(), *_cache_pointers(cache), block_table.data_ptr(), out.data_ptr(),
-        num_queries, start, num_heads, cache.v.shape[1], window, scale)
+        num_queries, start, num_heads, cache.v.shape[1], window, scale), "paged_prefill_attention")
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

@@ -15,109 +15,85 @@
  *
  * Query i of the chunk sits at absolute position start + i and attends keys 0..start + i, so
  * one kernel serves a fresh prompt (start = 0) and a chunk continuing a cached prefix; in a
- * sliding-window layer (window > 0) only its last `window` of them, start + i - window + 1 on. Each task
- * is (query head, tile of QT queries); it walks the key blocks with an online softmax
- * (flash-attention style), so no [queries x keys] matrix or mask is ever built:
- *
- *     S[r][t] = q_r . K_block[:, t]        BLOCK_SIZE key lanes per FMA (keys stored transposed),
- *                                          ROWS query rows share every key load
- *     m, l    = running max and sum per row; O = O * exp(m_old - m_new) + P @ V_block
- *
- * BLOCK_SIZE and HEAD_DIM are compile-time constants (the library is built per model shape),
- * which lets the compiler keep score rows and output rows in vector registers.
+ * sliding-window layer (window > 0) only its last `window` of them, start + i - window + 1 on.
+ * Each row is computed exactly as decode attention computes a decode row at that position
+ * (attention.h: the same parts, the same functions, in the same order), so a prompt gives the
+ * same K/V and the same next token whether its tail ran as a prefill chunk, as decode rows after
+ * a prefix-cache hit, or after a preemption. What differs is the sharing: a task is a tile of up
+ * to PREFILL_TILE_ROWS consecutive rows and one kv head, which walks the parts of the context in
+ * order, each part's blocks read from memory once for the whole tile (and from L1 by each row),
+ * and keeps each row's merged state as it goes. Decode rows, one task per (row, kv head, part),
+ * read the context once per row.
  */
-#define QT 16
-#define ROWS 4
+#define PREFILL_TILE_ROWS 16
 
-#define DEFINE_PREFILL_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                         \
-    void paged_prefill_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,               \
-                                          const CT *restrict v_cache, const float *restrict k_scales,     \
-                                          const float *restrict v_scales,                                 \
-                                          const int64_t *restrict block_table, XT *restrict out,          \
-                                          int64_t num_queries, int64_t start, int64_t num_heads,          \
-                                          int64_t num_kv_heads, int64_t window, float scale) {            \
-        const int64_t group = num_heads / num_kv_heads;                                                   \
-        const int64_t block_elems = BLOCK_SIZE * HEAD_DIM;                                                \
-        const int64_t num_tiles = (num_queries + QT - 1) / QT;                                            \
+/* Floats of one thread's scratch: a tile's scores, scaled queries, a part's results and the
+ * merged states. */
+static inline int64_t prefill_attention_scratch(int64_t num_heads, int64_t num_kv_heads) {
+    return cache_lines_of_floats(PREFILL_TILE_ROWS * num_heads / num_kv_heads
+                                 * (PART_KEYS + HEAD_DIM + 2 * (HEAD_DIM + 2)));
+}
+
+#define DEFINE_PREFILL_ATTENTION(SUFFIX, XT, LOAD_X, STORE_X, CS, CT, SCALED)                             \
+    int paged_prefill_attention_##SUFFIX(const XT *restrict q, const CT *restrict k_cache,                \
+                                         const CT *restrict v_cache, const float *restrict k_scales,      \
+                                         const float *restrict v_scales,                                  \
+                                         const int64_t *restrict block_table, XT *restrict out,           \
+                                         int64_t num_queries, int64_t start, int64_t num_heads,           \
+                                         int64_t num_kv_heads, int64_t window, float scale) {             \
+        const int64_t group = num_heads / num_kv_heads, slot = HEAD_DIM + 2;                              \
+        const int64_t threads = omp_get_max_threads(), stride = prefill_attention_scratch(num_heads, num_kv_heads); \
+        /* tiles small enough to give every thread two tasks or more */                                 \
+        const int64_t wanted = (2 * threads + num_kv_heads - 1) / num_kv_heads;                           \
+        const int64_t even = (num_queries + wanted - 1) / wanted;                                         \
+        const int64_t tile_rows = even < PREFILL_TILE_ROWS ? (even > 0 ? even : 1) : PREFILL_TILE_ROWS;   \
+        const int64_t tiles = (num_queries + tile_rows - 1) / tile_rows;                                  \
+        float *scratch = scratch_floats(threads * stride);                                                \
+        if (scratch == NULL) return KERNEL_OUT_OF_MEMORY;                                                 \
         _Pragma("omp parallel for collapse(2) schedule(dynamic)")                                         \
-        for (int64_t head = 0; head < num_heads; head++) {                                                \
-            for (int64_t tile = 0; tile < num_tiles; tile++) {                                            \
-                const int64_t kv_head = head / group;                                                     \
-                const int64_t first = tile * QT;                                                          \
-                const int64_t rows = num_queries - first < QT ? num_queries - first : QT;                 \
-                float query[QT][HEAD_DIM] = {{0}}, acc[QT][HEAD_DIM] = {{0}}, s[QT][BLOCK_SIZE];          \
-                float m[QT], l[QT];                                                                       \
-                for (int64_t r = 0; r < QT; r++) {                                                        \
-                    m[r] = -FLT_MAX;                                                                      \
-                    l[r] = 0.0f;                                                                          \
+        for (int64_t tile = 0; tile < tiles; tile++) {                                                    \
+            for (int64_t h = 0; h < num_kv_heads; h++) {                                                  \
+                const int64_t first = tile * tile_rows;                                                   \
+                const int64_t rows = num_queries - first < tile_rows ? num_queries - first : tile_rows;   \
+                float *scores = scratch + omp_get_thread_num() * stride;                                  \
+                float *query = scores + PREFILL_TILE_ROWS * group * PART_KEYS;                            \
+                float *results = query + PREFILL_TILE_ROWS * group * HEAD_DIM;                            \
+                float *states = results + PREFILL_TILE_ROWS * group * slot;                               \
+                int64_t lens[PREFILL_TILE_ROWS], seens[PREFILL_TILE_ROWS];                                \
+                for (int64_t r = 0; r < rows; r++) {                                                      \
+                    lens[r] = start + first + r + 1;                                                      \
+                    seens[r] = window_first_key(window, start + first + r);                               \
+                    for (int64_t g = 0; g < group; g++) {                                                 \
+                        for (int64_t d = 0; d < HEAD_DIM; d++)                                            \
+                            query[(r * group + g) * HEAD_DIM + d] =                                       \
+                                LOAD_X(q[((first + r) * num_heads + h * group + g) * HEAD_DIM + d]) * scale; \
+                        merge_start(states + (r * group + g) * slot);                                     \
+                    }                                                                                     \
+                }                                                                                         \
+                const int64_t last_part = row_first_part(seens[rows - 1]) + row_parts(lens[rows - 1], seens[rows - 1]); \
+                for (int64_t part = row_first_part(seens[0]); part < last_part; part++) {                \
+                    attend_part_##CS(query, rows, group, lens, seens, NULL, part, block_table, k_cache,   \
+                                     v_cache, k_scales, v_scales, num_kv_heads, h, scores, results);      \
+                    for (int64_t r = 0; r < rows; r++) {                                                  \
+                        int64_t lo, hi;                                                                   \
+                        if (part_blocks(part, lens[r], seens[r], &lo, &hi))                               \
+                            for (int64_t g = 0; g < group; g++)                                           \
+                                merge_part(states + (r * group + g) * slot, results + (r * group + g) * slot); \
+                    }                                                                                     \
                 }                                                                                         \
                 for (int64_t r = 0; r < rows; r++)                                                        \
-                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
-                        query[r][d] = LOAD_X(q[((first + r) * num_heads + head) * HEAD_DIM + d]) * scale;    \
-                const int64_t last_key = start + first + rows - 1; /* the tile's last row sees this far */ \
-                /* and its first row back to here (its window's first key, or the context's) */          \
-                const int64_t first_key = window_first_key(window, start + first);                      \
-                for (int64_t b = first_key / BLOCK_SIZE; b <= last_key / BLOCK_SIZE; b++) {               \
-                    const int64_t head_block = block_table[b] * num_kv_heads + kv_head;                   \
-                    const CT *keys = k_cache + head_block * block_elems;                                  \
-                    const CT *values = v_cache + head_block * block_elems;                                \
-                    const float *ks = SCALED ? k_scales + head_block * BLOCK_SIZE : NULL;                 \
-                    const float *vs = SCALED ? v_scales + head_block * BLOCK_SIZE : NULL;                 \
-                    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                         \
-                        float sb[ROWS][BLOCK_SIZE] = {{0}};                                               \
-                        for (int64_t d = 0; d < HEAD_DIM; d++) {                                          \
-                            const CT *kd = keys + d * BLOCK_SIZE;                                         \
-                            for (int64_t rr = 0; rr < ROWS; rr++) {                                       \
-                                const float qd = query[r0 + rr][d];                                       \
-                                _Pragma("omp simd")                                                       \
-                                for (int64_t t = 0; t < BLOCK_SIZE; t++) sb[rr][t] += qd * LOAD_C(kd[t]); \
-                            }                                                                             \
-                        }                                                                                 \
-                        for (int64_t rr = 0; rr < ROWS; rr++)                                             \
-                            for (int64_t t = 0; t < BLOCK_SIZE; t++)                                      \
-                                s[r0 + rr][t] = SCALED ? sb[rr][t] * ks[t] : sb[rr][t];                   \
-                    }                                                                                     \
-                    for (int64_t r = 0; r < rows; r++) {                                                  \
-                        const int64_t visible = start + first + r - b * BLOCK_SIZE + 1;                   \
-                        const int64_t n = visible < BLOCK_SIZE ? visible : BLOCK_SIZE;                    \
-                        /* keys [from, n) of the block are the row's: after its window's start */       \
-                        const int64_t from = window > 0 && visible > window ? visible - window : 0;       \
-                        if (n <= from) continue;                                                          \
-                        float top = m[r], sum = 0.0f;                                                     \
-                        for (int64_t t = from; t < n; t++) top = s[r][t] > top ? s[r][t] : top;           \
-                        const float correction = expf(m[r] - top);                                        \
-                        float p[BLOCK_SIZE];                                                              \
-                        _Pragma("omp simd reduction(+:sum)")                                              \
-                        for (int64_t t = 0; t < BLOCK_SIZE; t++) {                                        \
-                            p[t] = t >= from && t < n ? expf(s[r][t] - top) : 0.0f;                       \
-                            sum += p[t];                                                                  \
-                        }                                                                                 \
-                        m[r] = top;                                                                       \
-                        l[r] = l[r] * correction + sum;                                                   \
-                        float a[HEAD_DIM];                                                                \
-                        _Pragma("omp simd")                                                               \
-                        for (int64_t d = 0; d < HEAD_DIM; d++) a[d] = acc[r][d] * correction;             \
-                        for (int64_t t = from; t < n; t++) {                                              \
-                            const CT *vt = values + t * HEAD_DIM;                                         \
-                            const float pt = SCALED ? p[t] * vs[t] : p[t];                                \
-                            _Pragma("omp simd")                                                           \
-                            for (int64_t d = 0; d < HEAD_DIM; d++) a[d] += pt * LOAD_C(vt[d]);            \
-                        }                                                                                 \
-                        for (int64_t d = 0; d < HEAD_DIM; d++) acc[r][d] = a[d];                          \
-                    }                                                                                     \
-                }                                                                                         \
-                for (int64_t r = 0; r < rows; r++) {                                                      \
-                    const float inv = 1.0f / l[r];                                                        \
-                    for (int64_t d = 0; d < HEAD_DIM; d++)                                                \
-                        out[((first + r) * num_heads + head) * HEAD_DIM + d] = STORE_X(acc[r][d] * inv);  \
-                }                                                                                         \
+                    for (int64_t g = 0; g < group; g++)                                                   \
+                        FINISH_ROW(states + (r * group + g) * slot,                                       \
+                                   out + ((first + r) * num_heads + h * group + g) * HEAD_DIM, STORE_X);  \
             }                                                                                             \
         }                                                                                                 \
+        free(scratch);                                                                                    \
+        return KERNEL_OK;                                                                                 \
     }
 
 /* Queries in the model's dtype (XS), the cache in any kind (CS): paged_*_attention_XS_CS. */
 #define DEFINE_ATTENTION_KERNELS(XS, XT, LOAD_X, STORE_X, CS, CT, LOAD_C, STORE_HEAD, SCALED)               \
-    DEFINE_PREFILL_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CT, LOAD_C, SCALED)                          \
+    DEFINE_PREFILL_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CS, CT, SCALED)                          \
     DEFINE_DECODE_ATTENTION(XS##_##CS, XT, LOAD_X, STORE_X, CS, CT, SCALED)                               \
     DEFINE_ROPE_WRITE_KV(XS##_##CS, XT, LOAD_X, STORE_X, XT, LOAD_X, CT, STORE_HEAD, SCALED)               \
     int paged_decode_attention_##XS##_##CS(const XT *q, const CT *k_cache, const CT *v_cache,             \

@@ -225,6 +225,34 @@ def test_prefill_kernel_matches_torch(dtype, kind, first_position, chunk):
 
 
 @pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (9, 1)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("window", [0, 41])
+@pytest.mark.parametrize("first_position, chunk", [(0, 1), (0, 45), (3, 20), (120, 17), (250, 70)])
+def test_a_prefill_row_is_the_decode_row_at_its_position_bit_for_bit(threads, dtype, kind, heads, kv_heads,
+                                                                     num_threads, window, first_position, chunk):
+    """Prefill attention computes each query exactly as decode attention computes a decode row at
+    its position (attention.h): after a prefix-cache hit a prompt's tail runs as decode rows, cold
+    as a prefill chunk, and int8 activation rounding turns a last-bit difference into another
+    token. Contexts over several parts (block size 4: 32 blocks a part), windows starting
+    mid-part, groups of 3 heads and of 9 (tiles of 4, 4 and 1), tiles of rows cut by the thread
+    count."""
+    threads(num_threads)
+    block_size, dim = 4, 32
+    context = first_position + chunk
+    num_blocks = (context + block_size - 1) // block_size
+    cache = _cache(kind, num_blocks + 3, kv_heads, block_size, dim)
+    table = torch.randperm(num_blocks + 3, generator=torch.Generator().manual_seed(2))[:num_blocks]
+    q = torch.randn(chunk, heads, dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    prefill = torch.empty_like(q)
+    cpu_kernels.prefill_attention(q, cache, table, first_position, 0.2, prefill, window)
+    positions = torch.arange(first_position, context)
+    decode = torch.empty_like(q)
+    cpu_kernels.decode_attention(q, cache, table.repeat(chunk, 1), positions + 1, 0.2, decode, None, window, positions)
+    assert torch.equal(prefill, decode)
+
+
+@pytest.mark.parametrize("dtype, kind", QUERY_AND_CACHE)
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_write_kv_matches_torch(dtype, kind, qk_norm):
     """Rotated q out, rotated k and plain v in their cache slots, tokens spread over blocks."""
