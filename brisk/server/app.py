@@ -35,7 +35,7 @@ from brisk.config import ConfigError, EmbeddingConfig, ResponseCacheConfig, Serv
 from brisk.embed.embedder import Embedder
 from brisk.transport.client import EngineClient
 from brisk.server.embedding_api import EmbeddingServing, embedding_router
-from brisk.server.errors import ErrorResponse, error_body, install_error_handlers
+from brisk.server.errors import ErrorResponse, UnexpectedErrorMiddleware, error_body, install_error_handlers
 from brisk.server.live import LiveStats
 from brisk.server.metrics import PrometheusStatLogger
 from brisk.server.caching import ResponseCaching, model_scope
@@ -107,6 +107,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, owns_
     app.add_middleware(APIKeyMiddleware, keys=keys, admin_api_key=config.admin_api_key or config.api_key,
                        open_paths=OPEN_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(UnexpectedErrorMiddleware)  # added last: the outermost of the app's own
     serving = Serving(engine, config, model_names, api_keys.limits)
     named_tenants = {DEFAULT_TENANT, *api_keys.limits}
     metrics.watch_tenants(lambda: serving.tenants.usage(named_tenants))

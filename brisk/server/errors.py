@@ -74,9 +74,38 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     return _respond(APIError(400, message, param=location[0] if location else None))
 
 
-def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    logger.error("unexpected error answering a request", exc_info=exc)
-    return _respond(APIError(500, f"Internal error: {type(exc).__name__}.", type="server_error"))
+class UnexpectedErrorMiddleware:
+    """Answers an exception no handler took with an OpenAI-style 500, and keeps the connection.
+
+    Starlette's own catch-all (a handler for `Exception`, which its ServerErrorMiddleware runs)
+    sends the response and then raises the exception again, and the server then closes the
+    kept-alive connection: the client's next request pays a new connection, and a pooled client
+    may see it reset. Outermost of the app's own middleware, this one ends the request there. A
+    response already started (a stream broken midway) cannot be answered again: that exception
+    goes on, and closing the connection is what tells the client."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            logger.error("unexpected error answering a request", exc_info=exc)
+            response = _respond(APIError(500, f"Internal error: {type(exc).__name__}.", type="server_error"))
+            await response(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -90,4 +119,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, lambda _, exc: _respond(
         APIError(exc.status_code, str(exc.detail), type="not_found_error" if exc.status_code == 404 else
                  "invalid_request_error", headers=getattr(exc, "headers", None))))
-    app.add_exception_handler(Exception, _unexpected)

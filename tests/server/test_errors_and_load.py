@@ -81,6 +81,26 @@ def test_the_engine_keeps_serving_after_errors(http):
     assert r.status_code == 200 and http.get("/health").status_code == 200
 
 
+def test_an_unexpected_error_is_a_500_in_the_same_shape_and_the_connection_stays(tiny_engine, monkeypatch):
+    """A bug met while answering (here the engine client raising) is a 500 in OpenAI's error
+    shape, and the kept-alive connection serves the next request: Starlette's own catch-all
+    closed it after answering."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    body = {"prompt": "hello", "max_tokens": 2}
+    with running_server(tiny_engine, served_model_name="tiny") as url, httpx.Client(base_url=url, timeout=60) as c:
+        before = c.get("/v1/models")
+        monkeypatch.setattr(tiny_engine, "generate", broken)
+        failed = c.post("/v1/completions", json=body)
+        monkeypatch.undo()
+        after = c.post("/v1/completions", json=body)
+        connections = {r.extensions["network_stream"].get_extra_info("client_addr") for r in (before, failed, after)}
+    assert _error(failed, 500)["type"] == "server_error" and "RuntimeError" in failed.json()["error"]["message"]
+    assert after.status_code == 200
+    assert len(connections) == 1
+
+
 def test_api_key(real_async_engine):
     with running_server(real_async_engine, served_model_name="smollm2", api_key="s3cret") as url:
         with httpx.Client(base_url=url, timeout=60) as client:
