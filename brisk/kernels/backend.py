@@ -21,6 +21,7 @@ through the few attributes named where they are used.
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +41,16 @@ def wants_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd must see this op: no kernel has a backward, so training (Medusa heads,
     distillation) takes the torch formulation of every op whose inputs want a gradient."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class TargetLogprobs(NamedTuple):
+    """What `target_logprobs` gives per row of logits: sample/logprobs.py makes logprobs of it."""
+
+    lse: torch.Tensor  # [B] the row's log-sum-exp
+    logprobs: torch.Tensor  # [B] the target's logprob
+    ranks: torch.Tensor  # [B] the target's rank, 1 = most likely
+    top_logits: torch.Tensor | None  # [B, k] the k largest logits, best first; None for k = 0
+    top_ids: torch.Tensor | None  # [B, k] their token ids
 
 
 class KernelBackend:
@@ -207,15 +218,18 @@ class KernelBackend:
         tokens = torch.searchsorted(cumulative, target, right=True).squeeze(1).minimum(last)
         return torch.where(greedy, logits.argmax(dim=-1), tokens)
 
-    def target_logprobs(self, logits: torch.Tensor,
-                        targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, k: int = 0) -> TargetLogprobs:
         """Per row of logits [B, V] and targets [B]: the row's log-sum-exp, the target's logprob
-        and its rank (1 = most likely), with no [B, V] log-softmax built."""
+        and its rank (1 = most likely), and the row's k largest logits with their ids, with no
+        [B, V] log-softmax built."""
         lse = torch.logsumexp(logits, dim=-1)
         target_logits = logits.gather(1, targets.unsqueeze(1))
         chosen = target_logits.squeeze(1) - lse
         ranks = (logits > target_logits).sum(dim=-1) + 1
-        return lse, chosen, ranks
+        if not k:
+            return TargetLogprobs(lse, chosen, ranks, None, None)
+        top = logits.topk(k, dim=-1)
+        return TargetLogprobs(lse, chosen, ranks, top.values, top.indices)
 
     def mask_rows(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place on logits [B, V]: row rows[g] keeps only the tokens whose bit is set in

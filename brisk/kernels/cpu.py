@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from brisk.kernels.backend import ACTIVATIONS, KernelBackend, wants_grad
+from brisk.kernels.backend import ACTIVATIONS, KernelBackend, TargetLogprobs, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.kernels.lora import LoRABatch, LoRAUpdate, table_index
 from brisk.kernels.lora import _Batch as _LoRABatch
@@ -49,7 +49,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "paged_prefill_attention": [_PTR] * 7 + [_I64] * 5 + [ctypes.c_float],
     "linear_rows": [_PTR] * 4 + [_I64] * 3,
     "sample_rows": [_PTR, _I64, _I64] + [_PTR] * 6,
-    "target_logprobs": [_PTR, _I64, _I64] + [_PTR] * 4,
+    "target_logprobs": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 5,
     "mask_rows": [_PTR, _I64, _PTR, _I64, _PTR, _I64],
     "rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
     "add_rms_norm": [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float],
@@ -260,16 +260,25 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return out
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The most top logprobs per row the C pass keeps (an insertion into a sorted run per logit that
+# beats the k-th): OpenAI's API allows 20; more go to torch.topk.
+TOP_LOGPROBS_MAX = 64
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TargetLogprobs:
     """Per row of float32 logits [B, V] and int64 targets [B]: the row's log-sum-exp, the target's
-    logprob and its rank (1 = most likely), with no [B, V] log-softmax built (see sampling.c)."""
+    logprob and its rank (1 = most likely), and its k <= TOP_LOGPROBS_MAX largest logits with
+    their ids, in two passes over the row (sampling.c); no [B, V] log-softmax is built."""
+    assert k <= TOP_LOGPROBS_MAX
     logits, targets = logits.contiguous(), targets.contiguous()
     rows, n = logits.shape
     lse, logprob = torch.empty(rows), torch.empty(rows)
     rank = torch.empty(rows, dtype=torch.long)
-    _library("sampling.c").target_logprobs_f32(logits.data_ptr(), rows, n, targets.data_ptr(), lse.data_ptr(),
-                                               logprob.data_ptr(), rank.data_ptr())
-    return lse, logprob, rank
+    top_values, top_ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.long)
+    _library("sampling.c").target_logprobs_f32(logits.data_ptr(), rows, n, targets.data_ptr(), k, lse.data_ptr(),
+                                               logprob.data_ptr(), rank.data_ptr(), top_values.data_ptr(),
+                                               top_ids.data_ptr())
+    return TargetLogprobs(lse, logprob, rank, top_values if k else None, top_ids if k else None)
 
 
 def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -705,10 +714,10 @@ class CBackend(KernelBackend):
             return sample_rows(logits, temperature, top_k, top_p, min_p, draws)
         return super().sample_rows(logits, temperature, top_k, top_p, min_p, uniforms)
 
-    def target_logprobs(self, logits, targets):
-        if _samples(logits):
-            return target_logprobs(logits, targets)
-        return super().target_logprobs(logits, targets)
+    def target_logprobs(self, logits, targets, k=0):
+        if _samples(logits) and k <= TOP_LOGPROBS_MAX:
+            return target_logprobs(logits, targets, k)
+        return super().target_logprobs(logits, targets, k)
 
     def mask_rows(self, logits, rows, bitmask):
         if _samples(logits) and logits.is_contiguous():

@@ -239,19 +239,60 @@ int sample_rows_f32(const float *restrict logits, int64_t rows, int64_t n, const
     return KERNEL_OK;
 }
 
-/* Per row of logits [rows, n]: the log-sum-exp, and the target token's logprob and rank (1 + the
- * tokens with a strictly larger logit): what logprobs need, without building a [rows, n]
- * log-softmax. One pass for the max, one for the sum of exponentials and the count. Non-finite
- * logits weigh 0; a non-finite target's logit is its logprob, as log-softmax would give. */
+/* The k largest logits of z [n] (k: a few, cpu.py's TOP_LOGPROBS_MAX at most), best first (an
+ * equal one: the lower id first; past the finite logits the others, in id order), into values and
+ * ids, and the largest finite logit, returned. One pass: each run of TOP_RUN logits is compared whole against the k-th best so far
+ * (vectorized, as the plain maximum is) and looked into only where it beats it, which after the
+ * first runs is almost never (torch.topk over a 262,144-token row cost more than the rest of the
+ * logprobs together). */
+#define TOP_RUN 64
+static float top_logits(const float *restrict z, int64_t n, int64_t k, float *restrict values, int64_t *restrict ids) {
+    for (int64_t j = 0; j < k; j++) {
+        values[j] = -FLT_MAX;
+        ids[j] = -1;
+    }
+    float top = -FLT_MAX;
+    for (int64_t start = 0; start < n; start += TOP_RUN) {
+        const int64_t end = start + TOP_RUN < n ? start + TOP_RUN : n;
+        float run = -FLT_MAX;
+#pragma omp simd reduction(max : run)
+        for (int64_t i = start; i < end; i++) run = is_finite(z[i]) && z[i] > run ? z[i] : run;
+        top = run > top ? run : top;
+        if (k == 0 || run <= values[k - 1]) continue;
+        for (int64_t i = start; i < end; i++) {
+            if (!is_finite(z[i]) || z[i] <= values[k - 1]) continue;
+            int64_t j = k - 1; /* insert, keeping values descending */
+            for (; j > 0 && values[j - 1] < z[i]; j--) {
+                values[j] = values[j - 1];
+                ids[j] = ids[j - 1];
+            }
+            values[j] = z[i];
+            ids[j] = i;
+        }
+    }
+    int64_t j = 0; /* fewer than k finite logits: the rest are non-finite ones, in id order */
+    while (j < k && ids[j] >= 0) j++;
+    for (int64_t i = 0; i < n && j < k; i++) {
+        if (is_finite(z[i])) continue;
+        values[j] = z[i];
+        ids[j++] = i;
+    }
+    return top;
+}
+
+/* Per row of logits [rows, n]: the log-sum-exp, the target token's logprob and rank (1 + the
+ * tokens with a strictly larger logit), and the k largest logits with their ids (top_values,
+ * top_ids [rows, k]: top_logits): what logprobs need, without building a [rows, n] log-softmax.
+ * One pass for the maximum and the top k, one for the sum of exponentials and the count.
+ * Non-finite logits weigh 0; a non-finite target's logit is its logprob, as log-softmax would give. */
 void target_logprobs_f32(const float *restrict logits, int64_t rows, int64_t n, const int64_t *restrict targets,
-                         float *restrict lse, float *restrict logprob, int64_t *restrict rank) {
+                         int64_t k, float *restrict lse, float *restrict logprob, int64_t *restrict rank,
+                         float *restrict top_values, int64_t *restrict top_ids) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *z = logits + r * n;
         const float target = z[targets[r]];
-        float top = -FLT_MAX;
-#pragma omp simd reduction(max : top)
-        for (int64_t i = 0; i < n; i++) top = is_finite(z[i]) && z[i] > top ? z[i] : top;
+        const float top = top_logits(z, n, k, top_values + r * k, top_ids + r * k);
         double total = 0.0;
         int64_t better = 0;
 #pragma omp simd reduction(+ : total, better)

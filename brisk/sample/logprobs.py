@@ -39,12 +39,11 @@ class RankedLogprobs:
 def rank_targets(logits: torch.Tensor, targets: torch.Tensor, k: int, kernels: KernelBackend) -> RankedLogprobs:
     """Ranks each row's target token under log_softmax of that row's [B, V] `logits` and takes
     its k best. The [B, V] log-softmax is never built: a row's logprobs are its logits minus its
-    log-sum-exp, and ranks and the top k are the same on either (on CPU one C pass per row)."""
-    lse, chosen, ranks = kernels.target_logprobs(logits, targets)
+    log-sum-exp, and ranks and the top k are the same on either (on CPU two C passes per row)."""
+    ranked = kernels.target_logprobs(logits, targets, k)
     if k == 0:
-        return RankedLogprobs(chosen, ranks, None, None)
-    top_logits, top_token_ids = logits.topk(k, dim=-1)
-    return RankedLogprobs(chosen, ranks, top_logits - lse.unsqueeze(1), top_token_ids)
+        return RankedLogprobs(ranked.logprobs, ranked.ranks, None, None)
+    return RankedLogprobs(ranked.logprobs, ranked.ranks, ranked.top_logits - ranked.lse.unsqueeze(1), ranked.top_ids)
 
 
 def token_logprobs(ranked: RankedLogprobs, targets: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:

@@ -79,3 +79,27 @@ def test_float32_logprobs_rank_as_log_softmax_does(path):
     best = exact.topk(5, dim=-1)
     assert torch.equal(ranked.top_token_ids, best.indices)
     assert (ranked.top_logprobs.double() - best.values).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("k", [3, 20, 64])
+def test_the_c_passs_top_k_is_torchs(k):
+    """The C pass's top k (up to cpu.TOP_LOGPROBS_MAX; more go to torch.topk) against torch.topk,
+    on rows that fill the top in every order (ascending, descending, a tie at the k-th) and one
+    with fewer finite logits than k (the rest -inf, as torch gives them)."""
+    require_c_compiler()
+    from brisk.kernels.cpu import CBackend
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 3000, generator=g)
+    logits[1] = torch.arange(3000.0)
+    logits[2] = -torch.arange(3000.0)
+    logits[3, 100:100 + k + 3] = 50.0  # more ties than k
+    logits[4, 3:] = -math.inf
+    targets = torch.zeros(6, dtype=torch.long)
+    ours = CBackend().target_logprobs(logits, targets, k)
+    theirs = KernelBackend().target_logprobs(logits, targets, k)
+    assert torch.equal(ours.top_logits, theirs.top_logits)
+    assert torch.equal(logits.gather(1, ours.top_ids), ours.top_logits)
+    assert torch.equal(ours.top_ids[[0, 1, 2]], theirs.top_ids[[0, 1, 2]])
+    assert torch.equal(ours.top_ids[3], torch.arange(100, 100 + k))  # ties: the lower ids first
+    assert ours.top_ids[4].unique().numel() == k
