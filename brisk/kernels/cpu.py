@@ -356,7 +356,7 @@ class _Batch(ctypes.Structure):  # struct decode_batch
 # enum weight_format, quant.h
 _FORMAT_IDS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "nf4": 4, "q8_0": 5, "int5": 6, "q4_k": 7, "q5_k": 8,
                "q6_k": 9, "mixed": 10, "int4x16": 11, "q8_0x16": 12,
-               "int5x16": 13, "q4_kx16": 14, "q6_kx16": 15}
+               "int5x16": 13, "q4_kx16": 14, "q6_kx16": 15, "q5_kx16": 16}
 
 
 # formats with an integer product for int8 activations (quant.h); a mixed weight has it when all

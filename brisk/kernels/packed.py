@@ -40,15 +40,17 @@ INT5_BLOCK_BYTES = 20  # an int5 block's codes: u32 of fifth bits, then 16 bytes
 # int5's fifth bits a word after the nibbles, bit t of byte e for element 4t + e), then their f16
 # scales (and int4's and int5's minimums).
 TILE_ROWS = 16
-TILED = {"int4": "int4x16", "int5": "int5x16", "q8_0": "q8_0x16", "q4_k": "q4_kx16", "q6_k": "q6_kx16"}
+TILED = {"int4": "int4x16", "int5": "int5x16", "q8_0": "q8_0x16", "q4_k": "q4_kx16", "q5_k": "q5_kx16",
+         "q6_k": "q6_kx16"}
 K_BLOCKS = 8  # blocks of 32 in a K-quant super-block
-_TILE_WORDS = {"int4x16": 4, "int5x16": 5, "q8_0x16": 8, "q4_kx16": 4, "q6_kx16": 6}  # of 4 code bytes per row and block
+# words of 4 code bytes per row and block
+_TILE_WORDS = {"int4x16": 4, "int5x16": 5, "q8_0x16": 8, "q4_kx16": 4, "q5_kx16": 5, "q6_kx16": 6}
 # bytes per block of a tile (a K-quant's: a share of its super-block's, 8 blocks' records of codes and
 # two bytes of scales per row, then the f16 super-block scales: Q4_K's d and dmin, Q6_K's d)
 TILE_BLOCK_BYTES = {"int4x16": TILE_ROWS * (BLOCK // 2 + 4), "int5x16": TILE_ROWS * (INT5_BLOCK_BYTES + 4),
                     "q8_0x16": TILE_ROWS * (BLOCK + 2),
                     **{k: TILE_ROWS * (4 * _TILE_WORDS[k] + 2) + halves * 2 * TILE_ROWS // K_BLOCKS
-                       for k, halves in (("q4_kx16", 2), ("q6_kx16", 1))}}
+                       for k, halves in (("q4_kx16", 2), ("q5_kx16", 2), ("q6_kx16", 1))}}
 
 
 @dataclass(frozen=True)
@@ -168,19 +170,20 @@ def stack(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 def tiles_rows(weight: QuantizedTensor) -> bool:
-    """Whether `weight` has a tiled layout (TILED): Q8_0, Q4_K or Q6_K, or int4/int5 with a scale
+    """Whether `weight` has a tiled layout (TILED): Q8_0 or a K-quant, or int4/int5 with a scale
     per block of 32 and rows of whole blocks."""
-    return (weight.format in ("q8_0", "q4_k", "q6_k") or weight.format in ("int4", "int5") and weight.group_size == BLOCK
+    return (weight.format in ("q8_0", *K_QUANTS) or weight.format in ("int4", "int5") and weight.group_size == BLOCK
             and weight.shape[1] % BLOCK == 0)
 
 
 def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
-    """int4, int5, q8_0, q4_k or q6_k (tiles_rows) -> TILED[format]: the same codes and scales
-    (q8_0's codes + 128, int5's fifth bits and q6_k's high two regrouped by word, the K-quants'
-    nibbles paired per block and q4_k's 6-bit scales as bytes), rows interleaved by TILE_ROWS, the
-    last tile padded with zero rows. kernels/quant.h, "tiles of 16 rows", has the layouts."""
+    """int4, int5, q8_0 or a K-quant (tiles_rows) -> TILED[format]: the same codes and scales
+    (q8_0's codes + 128, int5's and q5_k's fifth bits and q6_k's high two regrouped by word, the
+    K-quants' nibbles paired per block and q4_k's and q5_k's 6-bit scales as bytes), rows
+    interleaved by TILE_ROWS, the last tile padded with zero rows. kernels/quant.h, "tiles of 16
+    rows", has the layouts."""
     if not tiles_rows(weight):
-        raise ValueError(f"only q8_0, q4_k, q6_k, and int4 or int5 with a scale per block of {BLOCK} and rows of whole "
+        raise ValueError(f"only q8_0, the K-quants, and int4 or int5 with a scale per block of {BLOCK} and rows of whole "
                          f"blocks, can be tiled, not {weight.format} (group {weight.group_size}, {weight.shape[1]} "
                          "columns)")
     rows, cols = weight.shape
@@ -191,10 +194,14 @@ def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
     if weight.format == "q8_0":
         stored = weight.data.view(rows, blocks, GGUF_BLOCK_BYTES["q8_0"])
         codes, fields = stored[:, :, 2:] ^ 0x80, [each(stored[:, :, :2], 2)]
-    elif weight.format == "q4_k":
-        stored = weight.data.view(rows, -1, GGUF_BLOCK_BYTES["q4_k"])
-        pairs = _bit_planes(stored[:, :, 16:].reshape(-1, 4, 32), 4).reshape(rows, blocks, 2, 16)
+    elif weight.format in ("q4_k", "q5_k"):
+        stored = weight.data.view(rows, -1, GGUF_BLOCK_BYTES[weight.format])
+        pairs = _bit_planes(stored[:, :, -128:].reshape(-1, 4, 32), 4).reshape(rows, blocks, 2, 16)
         codes = pairs[:, :, 0] | pairs[:, :, 1] << 4  # element t low, t + 16 high, as int4's
+        if weight.format == "q5_k":  # bit k of qh[l]: block k's element l -> a word of fifth bits, as int5x16's
+            by_element = _bit_planes(stored[:, :, 16:48].reshape(-1, 1, 32), 1).reshape(rows, blocks, 4, 8)
+            bytes_ = (by_element << torch.arange(8, dtype=torch.uint8)).sum(3, dtype=torch.uint8)  # bit e: element 8j + e
+            codes = torch.cat([codes, _fifth_bits_by_word(bytes_)], dim=2)
         fields = [each(t, 1) for t in _k_scale_bytes(stored[:, :, 4:16].reshape(-1, 12))]
         head = [stored[:, :, 0:2], stored[:, :, 2:4]]
     elif weight.format == "q6_k":
@@ -225,7 +232,7 @@ def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> Q
     tile, lane, n = index // TILE_ROWS, index % TILE_ROWS, len(index)
     blocks = cols // BLOCK
     lanes = lambda part, width: _from_lanes(part, width, tile, lane)  # noqa: E731  [n, blocks, fields, width]
-    if weight.format in ("q4_kx16", "q6_kx16"):
+    if weight.format in ("q4_kx16", "q5_kx16", "q6_kx16"):
         supers, code_bytes = blocks // K_BLOCKS, 4 * _TILE_WORDS[weight.format]
         data = weight.data.view(-1, supers, TILE_BLOCK_BYTES[weight.format] * K_BLOCKS)
         record = TILE_ROWS * (code_bytes + 2)
@@ -237,10 +244,16 @@ def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> Q
                          for a in (TILE_ROWS * code_bytes, TILE_ROWS * (code_bytes + 1)))
         halves = [lanes(data[:, :, a:a + 2 * TILE_ROWS], 2).reshape(n, supers, 2)
                   for a in range(K_BLOCKS * record, data.shape[2], 2 * TILE_ROWS)]
-        if weight.format == "q4_kx16":
+        if weight.format in ("q4_kx16", "q5_kx16"):
             qs = (low[:, :, 0::2] | low[:, :, 1::2] << 4).reshape(n, supers, 128)  # blocks 2k low, 2k + 1 high
             packed = _k_scales_packed(first.reshape(-1, K_BLOCKS), second.reshape(-1, K_BLOCKS)).view(n, supers, 12)
-            stored = torch.cat([*halves, packed, qs], dim=2)
+            qh = []
+            if weight.format == "q5_kx16":  # the fifth bits back to bit k of qh[l]
+                fifth = _fifth_bits_by_element(codes[..., 16:20])  # [n, supers, block k, 4]: bit e of byte j, 8j + e
+                bits = (fifth[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, supers, k, j, e]
+                by_block = bits.reshape(n, supers, K_BLOCKS, 32)
+                qh = [(by_block << torch.arange(K_BLOCKS, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)]
+            stored = torch.cat([*halves, packed, *qh, qs], dim=2)
         else:
             planes = codes[..., 16:].reshape(n, supers, K_BLOCKS, 2, 1, 4)  # [.., half, word t, byte e]
             high = (planes >> torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]) & 3

@@ -26,7 +26,7 @@
  *   WEIGHT_Q6_K   {u8 ql[128]; u8 qh[64]; int8 sc[16]; f16 d}        w = d * sc_s * (q - 32), a
  *                                                                      scale per 16 columns
  *   WEIGHT_MIXED  parts: row ranges of the matrix, each a weight in its own format
- *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16, WEIGHT_Q6_KX16  int4 with a
+ *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16, WEIGHT_Q5_KX16, WEIGHT_Q6_KX16  int4 with a
  *                 scale per block, int5, Q8_0, Q4_K and Q6_K, rows interleaved in tiles of 16 (see
  *                 "tiles of 16 rows")
  *
@@ -88,6 +88,7 @@ enum weight_format {
     WEIGHT_INT5X16 = 13,
     WEIGHT_Q4_KX16 = 14,
     WEIGHT_Q6_KX16 = 15,
+    WEIGHT_Q5_KX16 = 16,
 };
 
 struct weight {
@@ -1444,9 +1445,10 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 
 /* ---- tiles of 16 rows: the integer products' own layouts -------------------------------------
  *
- * WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16 and WEIGHT_Q6_KX16 are int4 with a
- * scale per block (GGUF's Q4_0 and Q4_1, int4 at group 32), int5 (Q5_0 and Q5_1), and GGUF's Q8_0,
- * Q4_K and Q6_K with their rows interleaved the way the integer products read them;
+ * WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16, WEIGHT_Q5_KX16 and WEIGHT_Q6_KX16
+ * are int4 with a scale per block (GGUF's Q4_0 and Q4_1, int4 at group 32), int5 (Q5_0 and Q5_1),
+ * and GGUF's Q8_0, Q4_K, Q5_K and Q6_K with their rows interleaved the way the integer products
+ * read them;
  * quant/modules.py lays a weight out so once it takes int8 activations on a CPU (the file's
  * bytes, reordered). Tile T holds rows 16 T .. 16 T + 15, and per block b:
  *
@@ -1460,6 +1462,8 @@ DEFINE_QMATVEC_A8(q6_k, 0)
  *                        words, the blocks' 6-bit scales sc [16] and minimums m [16] as bytes),
  *                        then the rows' d [16] and dmin [16] in f16: w = d sc code - dmin m. 296
  *                        bytes a block; the file's scales unpacked (its 12 bytes of 6-bit fields)
+ *   q5_kx16              q4_kx16 with int5x16's fifth-bit word after the nibble words: records of
+ *                        352 bytes (codes 320, sc 16, m 16), then d and dmin: 360 bytes a block
  *   q6_kx16              per super-block: 8 records of 416 bytes (int4x16's words of each code's
  *                        low 4 bits, then two words of their high 2 bits: byte e of lane l holds in
  *                        bits 2t, 2t + 1 those of element 4t + e, the second word of 16 + 4t + e;
@@ -1492,12 +1496,15 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 #define X16_BYTES_q8_0x16 544
 #define X16_BYTES_q4_kx16 296
 #define X16_BYTES_q6_kx16 420
+#define X16_BYTES_q5_kx16 360
 #define X16_SCALES_int4x16 256 /* where d starts in a block; int4's and int5's minimums follow */
 #define X16_SCALES_int5x16 320
 #define X16_SCALES_q8_0x16 512
 #define X16_FIFTH 256 /* where int5x16's fifth bits start in a block */
 #define X16_Q4K_RECORD 288 /* a q4_kx16 block's codes, sc and m; a super-block's 8, then d and dmin */
 #define X16_Q4K_SUPER (QK_BLOCKS * X16_Q4K_RECORD + 4 * X16_ROWS)
+#define X16_Q5K_RECORD 352 /* a q5_kx16 block's codes (with their fifth bits), sc and m */
+#define X16_Q5K_SUPER (QK_BLOCKS * X16_Q5K_RECORD + 4 * X16_ROWS)
 #define X16_Q6K_RECORD 416 /* a q6_kx16 block's codes, high bits and scales; a super-block's 8, then d */
 #define X16_Q6K_SUPER (QK_BLOCKS * X16_Q6K_RECORD + 2 * X16_ROWS)
 #define X16_Q6K_HIGH 256 /* where a q6_kx16 record's high bits start, its two scales at 384 and 400 */
@@ -1507,10 +1514,13 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 #define X16_AT_q8_0x16(b) ((b) * X16_BYTES_q8_0x16)
 #define X16_AT_q4_kx16(b) ((b) / QK_BLOCKS * X16_Q4K_SUPER + (b) % QK_BLOCKS * X16_Q4K_RECORD)
 #define X16_AT_q6_kx16(b) ((b) / QK_BLOCKS * X16_Q6K_SUPER + (b) % QK_BLOCKS * X16_Q6K_RECORD)
+#define X16_AT_q5_kx16(b) ((b) / QK_BLOCKS * X16_Q5K_SUPER + (b) % QK_BLOCKS * X16_Q5K_RECORD)
 /* A K-quant block's super-block scales, after its super-block's records */
 #define X16_SUPER_q4_kx16(tile, b) ((tile) + (b) / QK_BLOCKS * X16_Q4K_SUPER + QK_BLOCKS * X16_Q4K_RECORD)
 #define X16_SUPER_q6_kx16(tile, b) ((tile) + (b) / QK_BLOCKS * X16_Q6K_SUPER + QK_BLOCKS * X16_Q6K_RECORD)
+#define X16_SUPER_q5_kx16(tile, b) ((tile) + (b) / QK_BLOCKS * X16_Q5K_SUPER + QK_BLOCKS * X16_Q5K_RECORD)
 #define x16_codes_q4_kx16 x16_codes_int4x16
+#define x16_codes_q5_kx16 x16_codes_int5x16
 /* X16_SIGNED: codes stored + 128, signed again on AVX2. X16_HALVES: a scale per half block (each
  * half's sum apart), codes - 32. */
 #define X16_SIGNED_int4x16 0
@@ -1518,11 +1528,13 @@ DEFINE_QMATVEC_A8(q6_k, 0)
 #define X16_SIGNED_q8_0x16 1
 #define X16_SIGNED_q4_kx16 0
 #define X16_SIGNED_q6_kx16 0
+#define X16_SIGNED_q5_kx16 0
 #define X16_HALVES_int4x16 0
 #define X16_HALVES_int5x16 0
 #define X16_HALVES_q8_0x16 0
 #define X16_HALVES_q4_kx16 0
 #define X16_HALVES_q6_kx16 1
+#define X16_HALVES_q5_kx16 0
 
 /* out[i][l] = row l of a tile times activation row i, for ROWS rows (x rounded per block: xq
  * codes, xd scales and xs = xd * sum of codes, `full` blocks per row). */
@@ -1585,12 +1597,20 @@ static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint
 static inline __m512 x16_bytes(const uint8_t *at) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)));
 }
+/* Q4_K, Q5_K: d sc and -dmin m per row, sc and m as bytes at `at` in the record */
+static inline void x16_k_scales(const uint8_t *super, const uint8_t *at, __m512 *d, __m512 *o) {
+    *d = _mm512_mul_ps(x16_halves(super), x16_bytes(at));
+    *o = _mm512_mul_ps(x16_halves(super + 2 * X16_ROWS), _mm512_sub_ps(_mm512_setzero_ps(), x16_bytes(at + X16_ROWS)));
+}
 static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *hi,
                                       __m512 *o) {
     (void)hi;
-    const uint8_t *super = X16_SUPER_q4_kx16(tile, b);
-    *d = _mm512_mul_ps(x16_halves(super), x16_bytes(p + 256));
-    *o = _mm512_mul_ps(x16_halves(super + 2 * X16_ROWS), _mm512_sub_ps(_mm512_setzero_ps(), x16_bytes(p + 272)));
+    x16_k_scales(X16_SUPER_q4_kx16(tile, b), p + 256, d, o);
+}
+static inline void x16_scales_q5_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, __m512 *d, __m512 *hi,
+                                      __m512 *o) {
+    (void)hi;
+    x16_k_scales(X16_SUPER_q5_kx16(tile, b), p + 320, d, o);
 }
 static inline __m512 x16_signed_bytes(const uint8_t *at) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
@@ -1650,6 +1670,7 @@ static inline void x16_scales_q6_kx16(const uint8_t *tile, int64_t b, const uint
 #define X16_WIDEN_q8_0x16 1
 #define X16_WIDEN_q4_kx16 8
 #define X16_WIDEN_q6_kx16 2 /* 2 x 2 x 63 x 127 */
+#define X16_WIDEN_q5_kx16 4
 static inline void x16_codes_int4x16(const uint8_t *p, int h, __m256i c[8]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < 4; t++) {
@@ -1704,12 +1725,20 @@ static inline void x16_scales_q8_0x16(const uint8_t *tile, int64_t b, const uint
 static inline __m256 x16_bytes(const uint8_t *at) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at)));
 }
+static inline void x16_k_scales(const uint8_t *super, const uint8_t *at, int h, __m256 *d, __m256 *o) {
+    *d = _mm256_mul_ps(x16_halves(super + 16 * h), x16_bytes(at + 8 * h));
+    *o = _mm256_mul_ps(x16_halves(super + 2 * X16_ROWS + 16 * h),
+                       _mm256_sub_ps(_mm256_setzero_ps(), x16_bytes(at + X16_ROWS + 8 * h)));
+}
 static inline void x16_scales_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d,
                                       __m256 *hi, __m256 *o) {
     (void)hi;
-    const uint8_t *super = X16_SUPER_q4_kx16(tile, b);
-    *d = _mm256_mul_ps(x16_halves(super + 16 * h), x16_bytes(p + 256 + 8 * h));
-    *o = _mm256_mul_ps(x16_halves(super + 2 * X16_ROWS + 16 * h), _mm256_sub_ps(_mm256_setzero_ps(), x16_bytes(p + 272 + 8 * h)));
+    x16_k_scales(X16_SUPER_q4_kx16(tile, b), p + 256, h, d, o);
+}
+static inline void x16_scales_q5_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int h, __m256 *d,
+                                      __m256 *hi, __m256 *o) {
+    (void)hi;
+    x16_k_scales(X16_SUPER_q5_kx16(tile, b), p + 320, h, d, o);
 }
 static inline __m256 x16_signed_bytes(const uint8_t *at) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
@@ -1786,6 +1815,7 @@ static inline int32_t x16_code_int5x16(const uint8_t *p, int t, int l, int e) {
     return x16_code_int4x16(p, t, l, e) | (p[X16_FIFTH + 4 * l + e] >> t & 1) << 4;
 }
 #define x16_code_q4_kx16 x16_code_int4x16
+#define x16_code_q5_kx16 x16_code_int5x16
 static inline int32_t x16_code_q6_kx16(const uint8_t *p, int t, int l, int e) { /* code - 32 */
     const uint8_t high = p[X16_Q6K_HIGH + 64 * (t / 4) + 4 * l + e] >> (2 * (t % 4)) & 3;
     return (x16_code_int4x16(p, t, l, e) | high << 4) - 32;
@@ -1818,12 +1848,19 @@ static inline void x16_scale_q8_0x16(const uint8_t *tile, int64_t b, const uint8
     *d = x16_half(p + X16_SCALES_q8_0x16 + 2 * l);
     *o = 0.0f;
 }
+static inline void x16_k_scale(const uint8_t *super, const uint8_t *at, int l, float *d, float *o) {
+    *d = x16_half(super + 2 * l) * (float)at[l];
+    *o = -x16_half(super + 2 * X16_ROWS + 2 * l) * (float)at[X16_ROWS + l];
+}
 static inline void x16_scale_q4_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
                                      float *o) {
     (void)hi;
-    const uint8_t *super = X16_SUPER_q4_kx16(tile, b);
-    *d = x16_half(super + 2 * l) * (float)p[256 + l];
-    *o = -x16_half(super + 2 * X16_ROWS + 2 * l) * (float)p[272 + l];
+    x16_k_scale(X16_SUPER_q4_kx16(tile, b), p + 256, l, d, o);
+}
+static inline void x16_scale_q5_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
+                                     float *o) {
+    (void)hi;
+    x16_k_scale(X16_SUPER_q5_kx16(tile, b), p + 320, l, d, o);
 }
 static inline void x16_scale_q6_kx16(const uint8_t *tile, int64_t b, const uint8_t *p, int l, float *d, float *hi,
                                      float *o) {
@@ -1906,6 +1943,7 @@ DEFINE_X16(int4x16)
 DEFINE_X16(int5x16)
 DEFINE_X16(q4_kx16)
 DEFINE_X16(q6_kx16)
+DEFINE_X16(q5_kx16)
 DEFINE_X16(q8_0x16)
 
 #define QUANT_DISPATCH(W, CALL)                                                                           \
@@ -1936,6 +1974,7 @@ DEFINE_X16(q8_0x16)
     case WEIGHT_INT5X16: CALL(int5x16); break;                                                            \
     case WEIGHT_Q4_KX16: CALL(q4_kx16); break;                                                            \
     case WEIGHT_Q6_KX16: CALL(q6_kx16); break;                                                            \
+    case WEIGHT_Q5_KX16: CALL(q5_kx16); break;                                                            \
     case WEIGHT_Q8_0X16: CALL(q8_0x16); break;                                                            \
     default: abort(); /* the Python side sets quantize_activations only for these */                     \
     }

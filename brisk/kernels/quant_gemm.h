@@ -1,9 +1,9 @@
 /*
  * The batched half of the formats with an integer product (int8, q8_0, int4 and int5, which hold
- * GGUF's Q4_0/Q4_1 and Q5_0/Q5_1 bit for bit, and the K-quants: quant.h; int4x16, int5x16, q8_0x16, q4_kx16 and q6_kx16,
- * stored as these panels already, need none of this file's packing): y = x @ w^T for many
- * activation rows (prefill
- * chunks, decode batches past the fused step) with x rounded to int8 per block of 32, as
+ * GGUF's Q4_0/Q4_1 and Q5_0/Q5_1 bit for bit, and the K-quants: quant.h; int4x16, int5x16,
+ * q8_0x16, q4_kx16, q5_kx16 and q6_kx16, stored as these panels already, need none of this file's
+ * packing): y = x @ w^T for many activation rows (prefill chunks, decode batches past the fused
+ * step) with x rounded to int8 per block of 32, as
  * llama.cpp rounds activations to Q8_0/Q8_1. quant.h's `qmatvec_a8` is the decode half: the
  * same rounding (quantize_activations) and the same integer block dots, one weight row at a time.
  *
@@ -634,6 +634,7 @@ DEFINE_QMATMUL_A8_X16(int4x16)
 DEFINE_QMATMUL_A8_X16(int5x16)
 DEFINE_QMATMUL_A8_X16(q4_kx16)
 DEFINE_QMATMUL_A8_X16(q6_kx16)
+DEFINE_QMATMUL_A8_X16(q5_kx16)
 DEFINE_QMATMUL_A8_X16(q8_0x16)
 
 /* What the batched product needs besides its operands, taken before the parallel region: the

@@ -184,6 +184,29 @@ def test_q4_k_in_tiles_of_16_rows_keeps_every_byte(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 37])
+def test_q5_k_in_tiles_of_16_rows_keeps_every_byte(rows):
+    """q5_kx16: q4_kx16's records with a word of fifth bits after the nibble words, as int5x16's
+    (bit t of byte e: element 4t + e); a block's fifth bits are bit k of the file's qh bytes. Back
+    to the file's super-blocks, qh and packed scales included, bit for bit."""
+    q = _random_gguf("q5_k", rows, 512)
+    tiled = tile_rows(q)
+    assert tiled.data.shape == (-(-rows // 16), 16 * TILE_BLOCK_BYTES["q5_kx16"])
+    stored = q.data[0, 176:352]  # row 0's second super-block: d, dmin, 12 bytes of scales, qh [32], qs [128]
+    second = tiled.data[0, 8 * TILE_BLOCK_BYTES["q5_kx16"]:]
+    record = second[5 * 352:6 * 352]  # its block 5: codes in the high nibbles of qs bytes 64 .. 95
+    codes = [b >> 4 for b in stored[48 + 64:48 + 96].tolist()]
+    assert record[64:68].tolist() == [codes[4 + e] | codes[20 + e] << 4 for e in range(4)]  # word 1 of lane 0
+    fifth = [qh >> 5 & 1 for qh in stored[16:48].tolist()]  # block 5's: bit 5 of qh[l]
+    assert [record[256 + e].item() >> t & 1 for t in range(8) for e in range(4)] == fifth
+    packed = stored[4:16].tolist()  # block 5's scale and minimum: bytes 8 + 1's nibbles and 1 + 4's top bits
+    assert record[320].item() == (packed[9] & 15) | (packed[1] >> 6) << 4
+    assert record[336].item() == (packed[9] >> 4) | (packed[5] >> 6) << 4
+    assert torch.equal(second[8 * 352:8 * 352 + 2], stored[:2]) and torch.equal(second[8 * 352 + 32:8 * 352 + 34],
+                                                                               stored[2:4])
+    _untiles_bit_for_bit(tiled, q)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 37])
 def test_q6_k_in_tiles_of_16_rows_keeps_every_byte(rows):
     """q6_kx16: per super-block, 8 records of a block's low 4 bits (int4x16's words), their high 2
     bits as two more words (bits 2t, 2t + 1 of byte e: element 4t + e, then 16 + 4t + e), the
@@ -232,10 +255,10 @@ def _same_rows(tiled, q):
     assert torch.equal(tiled.dequantize(), q.dequantize())
 
 
-def test_only_q8_0_q4_k_q6_k_and_int4_or_int5_with_a_scale_per_block_tile():
+def test_only_q8_0_the_k_quants_and_int4_or_int5_with_a_scale_per_block_tile():
     for q in (quantize(_weight((4, 128)), "int4", 64), quantize(_weight((4, 128)), "int8"),
-              quantize(_weight((4, 45)), "int4", 32), _random_gguf("q5_k", 4, 256)):
-        with pytest.raises(ValueError, match="only q8_0, q4_k, q6_k, and int4 or int5 with a scale per block of 32"):
+              quantize(_weight((4, 45)), "int4", 32)):
+        with pytest.raises(ValueError, match="only q8_0, the K-quants, and int4 or int5 with a scale per block of 32"):
             tile_rows(q)
 
 
