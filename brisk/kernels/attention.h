@@ -1,12 +1,13 @@
 /*
- * Decode attention over paged KV blocks, for CPUs.
+ * Attention over paged KV blocks, for CPUs: decode attention, and the row arithmetic prefill
+ * attention (paged_attention.c) shares with it.
  *
- * One query token per sequence. Each (sequence, kv head) pair is one task, or a few when there are
- * too few pairs to keep every thread busy (decode_attention_parts): its query heads are scored
- * against the keys block by block, straight from the cache (no gathered copy), then the
- * softmax-weighted values are summed. K and V are read exactly once, which is the floor for
- * decode attention; torch's formulation gathered them into a copy and ran thousands of tiny
- * matmuls, and was ~5x slower at batch 64.
+ * One query token per decode row. A task is one (row, kv head) pair's part of the keys (parts of
+ * DECODE_PART_TOKENS, below): its query heads are scored against the keys block by block,
+ * straight from the cache (no gathered copy), then the softmax-weighted values are summed, and
+ * the parts are merged after. K and V are read exactly once, which is the floor for decode
+ * attention; torch's formulation gathered them into a copy and ran thousands of tiny matmuls,
+ * and was ~5x slower at batch 64.
  *
  * Layouts (row-major):  q, out [seqs, heads, dim]
  *                       k_cache [blocks, kv_heads, dim, block_size]   (keys transposed per block)
@@ -71,7 +72,8 @@ static inline int64_t decode_first_key(int64_t window, const int64_t *positions,
  * in registers: with the group a loop bound, the value sums lived on the stack, a store and a
  * reload per key, and the pass ran at the latency of that chain.
  *
- * Each copy is a function of its own, never inlined, and so is every other step of a row's
+ * Each copy is a function of its own, never inlined nor cloned for one caller's constants, and so
+ * is every other step of a row's
  * arithmetic (part_weights, merge_part): decode rows and prefill rows, in whichever kernel or
  * library, run the same machine code on the same numbers in the same order. The kernels build
  * with -ffast-math, under which two inlined copies of one loop may be vectorized or reassociated
@@ -99,10 +101,10 @@ static inline int64_t decode_first_key(int64_t window, const int64_t *positions,
 
 /* FN_1 .. FN_4: BODY's copies for G = 1 .. QHEADS, each its own function (see above). */
 #define DEFINE_TILE_COPIES(FN, BODY, PARAMS, ARGS)                                                        \
-    static __attribute__((noinline, unused)) void FN##_1 PARAMS { BODY(ARGS, 1); }                        \
-    static __attribute__((noinline, unused)) void FN##_2 PARAMS { BODY(ARGS, 2); }                        \
-    static __attribute__((noinline, unused)) void FN##_3 PARAMS { BODY(ARGS, 3); }                        \
-    static __attribute__((noinline, unused)) void FN##_4 PARAMS { BODY(ARGS, QHEADS); }
+    static __attribute__((noinline, noclone, unused)) void FN##_1 PARAMS { BODY(ARGS, 1); }               \
+    static __attribute__((noinline, noclone, unused)) void FN##_2 PARAMS { BODY(ARGS, 2); }               \
+    static __attribute__((noinline, noclone, unused)) void FN##_3 PARAMS { BODY(ARGS, 3); }               \
+    static __attribute__((noinline, noclone, unused)) void FN##_4 PARAMS { BODY(ARGS, QHEADS); }
 
 #define SCORE_PARAMS(CT)                                                                                  \
     (const float *restrict query, const CT *restrict keys, const float *restrict ks,                     \
@@ -144,7 +146,7 @@ static inline int64_t decode_first_key(int64_t window, const int64_t *positions,
     /* sums[g] (VCHUNK-strided rows `stride` apart) += weights[g][t] * values[t] over the block's first n \
      * values (each scaled by its own scale), for G query heads; weights rows `wstride` apart. A value \
      * is converted where each head uses it: a converted copy shared by the heads let the compiler     \
-     * keep a float32 cache's sums on the stack (its decode attention 30% slower, prefill 2x). */     \
+     * keep a float32 cache's sums on the stack (its decode attention 28% slower, prefill 2x). */     \
     static inline __attribute__((always_inline)) void sum_tile_body_##SUFFIX(                             \
         const float *restrict weights, int64_t wstride, const CT *restrict values,                       \
         const float *restrict vs, int64_t n, float *restrict out, int64_t stride, const int G) {         \
@@ -193,10 +195,10 @@ static inline int64_t decode_attention_parts(int64_t max_blocks) {
 }
 
 /* The first part a row whose first seen key is `seen` reads, and how many it reads at context
- * length `len` (>= 1). */
+ * length `len` (none at 0). */
 static inline int64_t row_first_part(int64_t seen) { return seen / BLOCK_SIZE / DECODE_PART_BLOCKS; }
 static inline int64_t row_parts(int64_t len, int64_t seen) {
-    return ((len + BLOCK_SIZE - 1) / BLOCK_SIZE - 1) / DECODE_PART_BLOCKS - row_first_part(seen) + 1;
+    return len > 0 ? ((len + BLOCK_SIZE - 1) / BLOCK_SIZE - 1) / DECODE_PART_BLOCKS - row_first_part(seen) + 1 : 0;
 }
 
 /* The blocks [*lo, *hi) of part `part` such a row reads; 0 where it reads none. */
@@ -212,7 +214,7 @@ static inline int part_blocks(int64_t part, int64_t len, int64_t seen, int64_t *
  * *top_out = top, the largest of the n (-FLT_MAX where every key is hidden: its weight in the merge,
  * exp(-FLT_MAX - the row's top), is 0). The sum runs in BLOCK_SIZE lanes and then a fixed tree, an
  * order no compiler picks for itself. */
-static __attribute__((noinline, unused)) float part_weights(float *restrict p, int64_t n, int64_t padded,
+static __attribute__((noinline, noclone, unused)) float part_weights(float *restrict p, int64_t n, int64_t padded,
                                                             float *restrict top_out) {
     float top = -FLT_MAX, lanes[BLOCK_SIZE] = {0};
     for (int64_t t = 0; t < n; t++) top = p[t] > top ? p[t] : top;
@@ -238,7 +240,7 @@ static inline void merge_start(float *restrict state) {
     for (int64_t d = 1; d < HEAD_DIM + 2; d++) state[d] = 0.0f;
 }
 
-static __attribute__((noinline, unused)) void merge_part(float *restrict state, const float *restrict part) {
+static __attribute__((noinline, noclone, unused)) void merge_part(float *restrict state, const float *restrict part) {
     const float top = part[0] > state[0] ? part[0] : state[0];
     const float kept = expf(state[0] - top), added = expf(part[0] - top);
     state[0] = top;

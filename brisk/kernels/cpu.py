@@ -376,9 +376,9 @@ def takes_int8_activations(weight: QuantizedTensor) -> bool:
 
 
 def integer_layout(weight: QuantizedTensor) -> QuantizedTensor:
-    """The weight as the integer products read it fastest: Q8_0, Q4_K, Q6_K, and int4 and int5 with
-    a scale per block (GGUF's Q4 and Q5 blocks) with their rows in tiles of 16 (TILED: quant.h),
-    every other format as it is."""
+    """The weight as the integer products read it fastest: Q8_0, the K-quants, and int4 and int5
+    with a scale per block (GGUF's Q4 and Q5 blocks) with their rows in tiles of 16 (TILED:
+    quant.h), every other format as it is."""
     if isinstance(weight, MixedTensor):
         return MixedTensor.of([integer_layout(part) for part in weight.parts])
     return tile_rows(weight) if tiles_rows(weight) else weight

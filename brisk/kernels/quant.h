@@ -27,7 +27,7 @@
  *                                                                      scale per 16 columns
  *   WEIGHT_MIXED  parts: row ranges of the matrix, each a weight in its own format
  *   WEIGHT_INT4X16, WEIGHT_INT5X16, WEIGHT_Q8_0X16, WEIGHT_Q4_KX16, WEIGHT_Q5_KX16, WEIGHT_Q6_KX16  int4 with a
- *                 scale per block, int5, Q8_0, Q4_K and Q6_K, rows interleaved in tiles of 16 (see
+ *                 scale per block, int5, Q8_0, Q4_K, Q5_K and Q6_K, rows interleaved in tiles of 16 (see
  *                 "tiles of 16 rows")
  *
  * Nibbles follow GGUF's order inside each 32-block: byte t holds element t in its low half and

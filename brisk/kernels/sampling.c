@@ -270,10 +270,10 @@ static float top_logits(const float *restrict z, int64_t n, int64_t k, float *re
             ids[j] = i;
         }
     }
-    int64_t j = 0; /* fewer than k finite logits: the rest are non-finite ones, in id order */
+    int64_t j = 0; /* fewer than k above the start value: the rest (non-finite, or -FLT_MAX), in id order */
     while (j < k && ids[j] >= 0) j++;
     for (int64_t i = 0; i < n && j < k; i++) {
-        if (is_finite(z[i])) continue;
+        if (is_finite(z[i]) && z[i] > -FLT_MAX) continue;
         values[j] = z[i];
         ids[j++] = i;
     }

@@ -149,8 +149,8 @@ def set_int8_activations(model: nn.Module) -> None:
     round its input to int8 per block of 32 and multiply in integers (kernels/quant.h): faster on
     CPUs, at the cost of the activation's rounding. Layers in fp8 or nf4 keep float inputs. Each
     layer then keeps its weight in the layout the backend's integer products read (on CPU, GGUF's
-    Q4_0/Q4_1 and Q8_0 blocks in tiles of 16 rows: int4x16, q8_0x16), in place of the one it had: the
-    same bytes, once."""
+    blocks in tiles of 16 rows: packed.py's TILED), in place of the one it had: the same bytes,
+    once."""
     for module in model.modules():
         if isinstance(module, QuantizedWeight) and cpu_kernels.takes_int8_activations(module.qweight):
             module.int8_activations = True

@@ -51,10 +51,13 @@ def reference(uncached) -> list[list[int]]:
 
 def test_logits_are_the_same_bits_in_any_chunking(default_llm):
     """Every position's logits: one chunk, single-token steps (decode rows through the fused
-    step), short chunks as decode rows and longer ones through prefill attention."""
-    prompt = _prompts(default_llm)[4]["prompt_token_ids"]
+    step, a kernel library of its own), short chunks as decode rows and longer ones through
+    prefill attention; past 128 tokens, so rows merge several parts of keys."""
+    prompt = default_llm.tokenizer.encode_chat([{"role": "user", "content": " ".join(
+        f"Tell me about {topic}{STYLES[i % 5]}" for i, topic in enumerate(TOPICS))}])
+    assert len(prompt) > 200
     whole = brisk_logits(default_llm.engine, prompt)
-    for chunks in ([7, 1, 1, 3], [16, 9], [1] * 20, [40]):
+    for chunks in ([7, 1, 1, 3], [16, 9], [1] * 20, [40], [150, 1, 1, 1, 4, 60]):
         assert torch.equal(brisk_logits(default_llm.engine, prompt, chunks + [len(prompt) - sum(chunks)]), whole)
     assert_no_leaks(default_llm.engine)
 
