@@ -124,6 +124,18 @@ class Adapters:
         self._resident.pop(name, None)
         logger.info("unloaded LoRA adapter %s", name)
 
+    def dropped(self, name: str | None) -> AdapterInfo | None:
+        """The adapter `name` when it is known but no longer in memory (max_cpu_loras): what a
+        request for it would read again."""
+        return self.infos.get(name) if name is not None and name not in self._resident else None
+
+    def restore(self, read: ReadAdapter) -> None:
+        """Keeps an adapter read again off the loop (`read` of a `dropped` one), unless it was
+        unloaded, loaded again from other files or read meanwhile: then `get` decides as ever."""
+        name = read.info.name
+        if self.infos.get(name) == read.info and name not in self._resident:
+            self._keep(name, read.weights)
+
     def get(self, name: str) -> AdapterWeights:
         """The weights a new request of adapter `name` runs with, read again if they were dropped."""
         if name not in self.infos:

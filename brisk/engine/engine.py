@@ -163,6 +163,14 @@ class LLMEngine:
         from another thread while the engine steps."""
         return self._enabled_adapters("lora_name").read(name, path)
 
+    def adapter_to_read(self, request: EngineRequest) -> AdapterInfo | None:
+        """The adapter `request` needs read again before it is added (dropped from memory), if
+        any: a loop reads it off its thread (read_adapter), then restore_adapter, then add."""
+        return self.adapters.dropped(request.options.adapter) if self.adapters is not None else None
+
+    def restore_adapter(self, read: ReadAdapter) -> None:
+        self._enabled_adapters("model").restore(read)
+
     def unload_adapter(self, name: str) -> None:
         """Stops serving adapter `name`; its requests in the engine finish with it."""
         self._enabled_adapters("lora_name").unload(name)

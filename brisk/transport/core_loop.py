@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from brisk.transport.client import EngineDeadError, QueueLoad
+from brisk.engine.adapters import AdapterInfo, ReadAdapter
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import EngineRequest
@@ -71,7 +72,16 @@ class Prepare:
     fn: Callable[[LLMEngine, object], object]
 
 
-Command = AddRequest | AbortRequest | AbortAll | Call | Prepare
+@dataclass
+class _Readmit:
+    """Posted by the loop's own reading thread (never by a client): the adapter `name` was read
+    again (`read`; None if that failed), so the requests parked for it go in."""
+
+    name: str
+    read: ReadAdapter | None
+
+
+Command = AddRequest | AbortRequest | AbortAll | Call | Prepare | _Readmit
 
 
 # ----- results: loop -> client --------------------------------------------------------------------
@@ -159,13 +169,19 @@ class _StatBuffer:
 
 class EngineLoop:
     """Owns the engine: after construction only `run()`'s thread may touch it (a Prepare's
-    prepare, on a thread of its own, reads only what stays fixed)."""
+    prepare, on a thread of its own, reads only what stays fixed).
+
+    A request for a LoRA adapter that max_cpu_loras dropped from memory waits, parked, while a
+    thread of its own reads the adapter's files again; the loop steps on meanwhile, and later
+    requests for the same adapter wait for the same read (reading on the loop stalled every
+    stream for as long as the files took)."""
 
     def __init__(self, engine: LLMEngine, inbox: Inbox, outbox: Outbox):
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
         self._stats = _StatBuffer()
         self._drained = QueueLoad(0, 0)
         self._stopping = False
+        self._parked: dict[str, list[AddRequest]] = {}  # adapter being read again -> requests waiting for it
 
     def stop(self) -> None:
         """Ends the loop after the current step; requests still running end with EngineDeadError."""
@@ -213,6 +229,8 @@ class EngineLoop:
                 case AbortRequest(request_id=request_id):
                     self._abort([request_id], step)
                 case AbortAll():
+                    for parked in self._parked.values():
+                        parked.clear()
                     self._abort(self.engine.request_ids, step)
                 case Call(call_id=call_id, fn=fn):
                     try:
@@ -222,6 +240,11 @@ class EngineLoop:
                     self.outbox.answer(reply)
                 case Prepare() if not self._stopping:  # stopping: close() fails the call
                     threading.Thread(target=self._prepare, args=(command,), name="brisk-prepare", daemon=True).start()
+                case _Readmit(name=name, read=read):
+                    if read is not None:
+                        self.engine.restore_adapter(read)
+                    for parked in self._parked.pop(name, []):  # not parked again: a failed read fails them
+                        self._add(parked, step, may_park=False)
         return step
 
     def _prepare(self, command: Prepare) -> None:
@@ -234,12 +257,32 @@ class EngineLoop:
             then = functools.partial(_raise, RuntimeError(f"preparing the call failed: {exc!r}"))
         self.inbox.post(Call(command.call_id, then))
 
+    def _read_again(self, adapter: AdapterInfo) -> None:
+        """On the reading thread: the adapter's files, back to the loop."""
+        try:
+            read = self.engine.read_adapter(adapter.name, adapter.path)
+        except Exception:  # noqa: BLE001 - the parked requests are added anyway: the loop's read names the error
+            logger.exception("reading LoRA adapter %s again failed", adapter.name)
+            read = None
+        self.inbox.post(_Readmit(adapter.name, read))
+
     def _abort(self, request_ids: list[str], step: StepOutputs) -> None:
-        """Each request's last output (finish_reason "abort") goes to its stream, if one still reads it."""
+        """Each request's last output (finish_reason "abort") goes to its stream, if one still reads
+        it; a parked request is dropped where it waits."""
+        gone = set(request_ids)
+        for name, parked in self._parked.items():
+            self._parked[name] = [p for p in parked if p.request.request_id not in gone]
         outputs = [self.engine.abort_request(request_id) for request_id in request_ids]
         step.outputs += [output for output in outputs if output is not None]
 
-    def _add(self, command: AddRequest, step: StepOutputs) -> None:
+    def _add(self, command: AddRequest, step: StepOutputs, may_park: bool = True) -> None:
+        adapter = self.engine.adapter_to_read(command.request) if may_park and not self._stopping else None
+        if adapter is not None:
+            if adapter.name not in self._parked:
+                threading.Thread(target=self._read_again, args=(adapter,), name="brisk-read-adapter",
+                                 daemon=True).start()
+            self._parked.setdefault(adapter.name, []).append(command)
+            return
         self._drained += command.load
         try:
             self.engine.add(command.request)

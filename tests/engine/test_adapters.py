@@ -379,3 +379,87 @@ def test_streams_go_on_while_an_adapters_files_are_read(served, monkeypatch):
         engine.shutdown()
     assert during >= 20  # the tiny model steps hundreds of times in 0.5 s; the loop did not wait for the files
     assert tokens == hf_greedy(merged["qv"], prompt, 5)
+
+
+def test_streams_go_on_while_a_dropped_adapter_is_read_again(served, monkeypatch):
+    """max_cpu_loras=1: the second adapter asked for drops the first; a request for the first
+    then waits while a thread of the loop reads its files again (core_loop.EngineLoop), a stream
+    gets its tokens meanwhile, and two requests for it share the one read; then they answer as
+    the merged model does."""
+    from brisk.engine.adapters import Adapters
+    from brisk.transport.async_engine import AsyncEngine
+
+    _, _, merged, _ = served
+    read, reads = Adapters._read, []
+
+    def slow_read(self, name, path):
+        reads.append(name)
+        time.sleep(0.5)  # a large adapter on a slow disk
+        return read(self, name, path)
+
+    engine = AsyncEngine(engine=_llm(served, max_loras=1, max_cpu_loras=1).engine)
+    prompt = _prompt(8, seed=72)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    async def answer(adapter: str, request_id: str) -> list[int]:
+        outputs = [o async for o in engine.generate(prompt, params, request_id, RequestOptions(adapter=adapter))]
+        return list(outputs[-1].outputs[0].token_ids)
+
+    async def scenario() -> tuple[int, list[list[int]]]:
+        await answer("qv", "first")
+        await answer("all", "second")  # drops qv from memory
+        monkeypatch.setattr(Adapters, "_read", slow_read)
+        streaming = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+        outputs = aiter(engine.generate(_prompt(5, seed=73), streaming, "streaming"))
+        before = len((await anext(outputs)).outputs[0].token_ids)
+        again = asyncio.gather(answer("qv", "again"), answer("qv", "again-2"))
+        during = before
+        async for output in outputs:  # until the read is done (or the stream, if it ends first)
+            during = len(output.outputs[0].token_ids)
+            if again.done():
+                break
+        return during - before, await again
+
+    try:
+        during, answers = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert reads == ["qv"]  # read again once, for both requests
+    assert during >= 20  # the tiny model steps hundreds of times in 0.5 s: the loop did not wait for the files
+    assert answers == [hf_greedy(merged["qv"], prompt, 5)] * 2
+
+
+def test_a_request_aborted_while_its_adapter_is_read_again_never_runs(served, monkeypatch):
+    """Aborted while parked for a read (its client gone), a request is dropped where it waits:
+    once the adapter is read, nothing runs, and every block is back."""
+    from brisk.engine.adapters import Adapters
+    from brisk.transport.async_engine import AsyncEngine
+
+    read = Adapters._read
+    llm = _llm(served, max_loras=1, max_cpu_loras=1)
+    added, add = [], llm.engine.add
+    monkeypatch.setattr(llm.engine, "add", lambda request: added.append(request.request_id) or add(request))
+    engine = AsyncEngine(engine=llm.engine)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    async def run(adapter: str, request_id: str) -> None:
+        async for _ in engine.generate(_prompt(6, seed=74), params, request_id, RequestOptions(adapter=adapter)):
+            pass
+
+    async def scenario() -> None:
+        await run("qv", "first")
+        await run("all", "second")  # drops qv from memory
+        monkeypatch.setattr(Adapters, "_read", lambda self, name, path: time.sleep(0.5) or read(self, name, path))
+        stream = aiter(engine.generate(_prompt(6, seed=75), params, "parked", RequestOptions(adapter="qv")))
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.1)  # posted and parked
+        waiting.cancel()
+        await stream.aclose()
+        await asyncio.sleep(1.0)  # the read ends meanwhile
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert added == ["first", "second"] and llm.engine.adapters.resident == ["qv"]  # read and kept, not run
+    assert_no_leaks(llm.engine)
