@@ -258,10 +258,11 @@ class EngineLoop:
         self.inbox.post(Call(command.call_id, then))
 
     def _read_again(self, adapter: AdapterInfo) -> None:
-        """On the reading thread: the adapter's files, back to the loop."""
+        """On the reading thread: the adapter's files, back to the loop (None if reading failed:
+        the parked requests are added all the same, and the loop's own read names the error)."""
         try:
             read = self.engine.read_adapter(adapter.name, adapter.path)
-        except Exception:  # noqa: BLE001 - the parked requests are added anyway: the loop's read names the error
+        except BaseException:  # noqa: BLE001 - the parked requests go in anyway, none waits forever
             logger.exception("reading LoRA adapter %s again failed", adapter.name)
             read = None
         self.inbox.post(_Readmit(adapter.name, read))
