@@ -267,7 +267,8 @@ static __attribute__((noinline, noclone, unused)) void merge_part(float *restric
         const int64_t block_elems = BLOCK_SIZE * HEAD_DIM, slot = HEAD_DIM + 2;                           \
         int64_t lo[rows], hi[rows], end[rows], first = INT64_MAX, last = 0, blocks = 0;                   \
         for (int64_t r = 0; r < rows; r++) {                                                              \
-            blocks = (lens[r] + BLOCK_SIZE - 1) / BLOCK_SIZE > blocks ? (lens[r] + BLOCK_SIZE - 1) / BLOCK_SIZE : blocks; \
+            const int64_t own = (lens[r] + BLOCK_SIZE - 1) / BLOCK_SIZE;                                  \
+            blocks = own > blocks ? own : blocks;                                                         \
             if (!part_blocks(part, lens[r], seens[r], lo + r, hi + r)) hi[r] = lo[r];                     \
             end[r] = hi[r] * BLOCK_SIZE < lens[r] ? hi[r] * BLOCK_SIZE : lens[r];                         \
             if (lo[r] < hi[r]) {                                                                          \

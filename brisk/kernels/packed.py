@@ -199,9 +199,8 @@ def tile_rows(weight: QuantizedTensor) -> QuantizedTensor:
         pairs = _bit_planes(stored[:, :, -128:].reshape(-1, 4, 32), 4).reshape(rows, blocks, 2, 16)
         codes = pairs[:, :, 0] | pairs[:, :, 1] << 4  # element t low, t + 16 high, as int4's
         if weight.format == "q5_k":  # bit k of qh[l]: block k's element l -> a word of fifth bits, as int5x16's
-            by_element = _bit_planes(stored[:, :, 16:48].reshape(-1, 1, 32), 1).reshape(rows, blocks, 4, 8)
-            bytes_ = (by_element << torch.arange(8, dtype=torch.uint8)).sum(3, dtype=torch.uint8)  # bit e: element 8j + e
-            codes = torch.cat([codes, _fifth_bits_by_word(bytes_)], dim=2)
+            fifth = _bit_planes(stored[:, :, 16:48].reshape(-1, 1, 32), 1).reshape(rows, blocks, 32)
+            codes = torch.cat([codes, _word_bits(fifth)], dim=2)
         fields = [each(t, 1) for t in _k_scale_bytes(stored[:, :, 4:16].reshape(-1, 12))]
         head = [stored[:, :, 0:2], stored[:, :, 2:4]]
     elif weight.format == "q6_k":
@@ -249,9 +248,7 @@ def untile_rows(weight: QuantizedTensor, index: torch.Tensor | None = None) -> Q
             packed = _k_scales_packed(first.reshape(-1, K_BLOCKS), second.reshape(-1, K_BLOCKS)).view(n, supers, 12)
             qh = []
             if weight.format == "q5_kx16":  # the fifth bits back to bit k of qh[l]
-                fifth = _fifth_bits_by_element(codes[..., 16:20])  # [n, supers, block k, 4]: bit e of byte j, 8j + e
-                bits = (fifth[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, supers, k, j, e]
-                by_block = bits.reshape(n, supers, K_BLOCKS, 32)
+                by_block = _element_bits(codes[..., 16:20])  # [n, supers, block k, element l]
                 qh = [(by_block << torch.arange(K_BLOCKS, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)]
             stored = torch.cat([*halves, packed, *qh, qs], dim=2)
         else:
@@ -290,18 +287,28 @@ def _from_lanes(part: torch.Tensor, width: int, tile: torch.Tensor, lane: torch.
     return part.reshape(tiles, n, -1, TILE_ROWS, width)[tile, :, :, lane]
 
 
+def _word_bits(bits: torch.Tensor) -> torch.Tensor:
+    """A block's fifth bits [..., 32] (0 or 1, element order) -> int5x16's word of them [..., 4]:
+    byte e holds element 4t + e in bit t."""
+    by_word = bits.unflatten(-1, (8, 4)).transpose(-1, -2)  # [..., e, t]: element 4t + e
+    return (by_word << torch.arange(8, dtype=torch.uint8, device=bits.device)).sum(-1, dtype=torch.uint8)
+
+
+def _element_bits(word: torch.Tensor) -> torch.Tensor:
+    """The inverse of _word_bits: [..., 4] -> [..., 32]."""
+    bits = (word[..., None] >> torch.arange(8, dtype=torch.uint8, device=word.device)) & 1  # [..., e, t]
+    return bits.transpose(-1, -2).flatten(-2)
+
+
 def _fifth_bits_by_word(high: torch.Tensor) -> torch.Tensor:
-    """int5's [..., 4] bytes of fifth bits (bit e: element e) -> int5x16's (byte e, bit t: element
-    4t + e)."""
+    """int5's [..., 4] bytes of fifth bits (bit e: element e) -> int5x16's word (_word_bits)."""
     bits = (high[..., None] >> torch.arange(8, dtype=torch.uint8, device=high.device)) & 1  # [..., byte, bit]
-    by_word = bits.flatten(-2).unflatten(-1, (8, 4)).transpose(-1, -2)  # [..., e, t]: element 4t + e
-    return (by_word << torch.arange(8, dtype=torch.uint8, device=high.device)).sum(-1, dtype=torch.uint8)
+    return _word_bits(bits.flatten(-2))
 
 
 def _fifth_bits_by_element(fifth: torch.Tensor) -> torch.Tensor:
     """The inverse of _fifth_bits_by_word."""
-    bits = (fifth[..., None] >> torch.arange(8, dtype=torch.uint8, device=fifth.device)) & 1  # [..., e, t]
-    by_element = bits.transpose(-1, -2).flatten(-2).unflatten(-1, (4, 8))  # [..., byte, bit]
+    by_element = _element_bits(fifth).unflatten(-1, (4, 8))  # [..., byte, bit]
     return (by_element << torch.arange(8, dtype=torch.uint8, device=fifth.device)).sum(-1, dtype=torch.uint8)
 
 
