@@ -51,10 +51,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, batching: str = "continuous", batch_size: int = 16,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in prompt order. lora_request: the adapter every
         prompt runs with, or one (or None, the base model) per prompt; the engine needs
-        enable_lora (as vLLM's). batching: `continuous` (the
+        enable_lora (as vLLM's). priority: one per prompt, lower first, acted on under
+        scheduling_policy "priority" (or within a tenant under "fair"), as vLLM's. batching: `continuous` (the
         engine's scheduler refills a finished sequence's slot at once), `static` (groups of
         batch_size in prompt order, each finishing before the next starts, as a padded batch
         runs), or `sorted` (the same groups, formed by prompt length). Afterwards
@@ -67,6 +69,9 @@ class LLM:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         params = _per_prompt(sampling_params, len(prompts))
         adapters = _per_prompt(lora_request, len(prompts), LoRARequest)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts) or not all(type(p) is int for p in priorities):
+            raise ValueError(f"priority must be one int per prompt ({len(prompts)}), got {priority!r}")
         order = list(range(len(prompts)))
         if batching == "sorted":
             order.sort(key=lambda i: self._prompt_len(prompts[i]))
@@ -79,7 +84,7 @@ class LLM:
         try:
             for group in groups:
                 ids = [self.engine.add_request(prompts[i], replace(params[i], output_kind=OutputKind.FINAL_ONLY),
-                                               lora_request=adapters[i]) for i in group]
+                                               lora_request=adapters[i], priority=priorities[i]) for i in group]
                 done.update(zip(group, self._run(ids, bar)))
         finally:
             bar.close()

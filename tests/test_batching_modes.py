@@ -71,6 +71,10 @@ def test_bad_batching_is_refused(llm):
         llm.generate(PROMPTS, PARAMS, batching="dynamic")
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         llm.generate(PROMPTS, PARAMS, batching="static", batch_size=0)
+    for priority in ([0] * 9, ["high"] * 10, [0.5] * 10):
+        with pytest.raises(ValueError, match="priority must be one int per prompt"):
+            llm.generate(PROMPTS, PARAMS, priority=priority)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_batch_file_runs_in_sorted_groups_with_the_same_answers(tmp_path):

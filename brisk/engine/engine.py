@@ -137,15 +137,15 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> str:
         """Queues a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its id.
         The offline edge: tokenizes and validates, then hands the core an EngineRequest.
         lora_request: the adapter it runs with, loaded from its path the first time its name
-        is seen (as vLLM's LLM.generate(lora_request=...))."""
+        is seen (as vLLM's LLM.generate(lora_request=...)); priority: lower first (as vLLM's)."""
         text, token_ids = self.tokenize(prompt)
         if lora_request is not None and lora_request.lora_path is not None:
             self.load_adapter(lora_request.lora_name, lora_request.lora_path)
-        options = RequestOptions(prompt=text, cache_salt=cache_salt)
+        options = RequestOptions(prompt=text, cache_salt=cache_salt, priority=priority)
         if lora_request is not None:
             options = replace(options, adapter=lora_request.lora_name, lora_scale=lora_request.scale)
         request = EngineRequest.checked(request_id if request_id is not None else str(next(self._ids)), token_ids,

@@ -180,6 +180,11 @@ class KVCacheManager:
         tables = self._tables.get(request_id)
         return [] if tables is None else [0 if b is None else b.block_id for b in tables[group]]
 
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks the request holds now, in every group (those it shares with others included):
+        the memory the waiting queue's policy weighs when it names whom to preempt."""
+        return sum(b is not None for table in self._tables.get(request.request_id, ()) for b in table)
+
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """The longest cached prefix of the request's tokens, in whole blocks (module docstring).
 

@@ -28,9 +28,11 @@ A step of nothing but plain greedy decodes may run several forward passes (num_s
 multi-step scheduling): each sequence gets slots for all of them up front, or the step runs one
 pass (_decode_passes). update() then appends each sequence's tokens until one stops it.
 
-When the block pool cannot hold a running request's next tokens, the newest running request
-is preempted: its blocks go back to the pool and it returns to the waiting queue (at its head,
-under fcfs), to be recomputed later (its full blocks usually survive in the prefix cache, so
+When the block pool cannot hold a running request's next tokens, a running request is
+preempted, the one the waiting queue's policy names (memory_victim: the newest under fcfs, the
+worst-ranked under priority, under fair the tenant's that holds the most blocks for its weight):
+its blocks go back to the pool and it returns to the waiting queue (at its head, under fcfs), to
+be recomputed later (its full blocks usually survive in the prefix cache, so
 the recompute is cheap). A request therefore never fails for lack of KV memory; it only waits.
 
 Which waiting request is tried first, and whether one may take a running request's seat when
@@ -215,10 +217,11 @@ class Scheduler:
         return 1
 
     def _allocate_running(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
-        """Allocates for a running request, preempting the newest running ones until it fits;
-        False if the request itself had to go."""
+        """Allocates for a running request, preempting running ones (as the waiting queue's policy
+        names them) until it fits; False if the request itself had to go."""
         while not self.kv.allocate(request, num_new_tokens):
-            victim = self.running.pop()
+            victim = self.waiting.memory_victim(self.running, self.kv.num_held_blocks)
+            self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
             out.chunks = [c for c in out.chunks if c.request is not victim]  # a decode scheduled above
@@ -290,7 +293,7 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
             request.times.first_scheduled = time.monotonic()
-        # Kept in arrival order, so the newest request is the one preempted, whatever order the
+        # Kept in arrival order, so fcfs preempts the newest request for memory, whatever order the
         # step admitted them in (a preempted long prompt re-admitted after short ones stays older).
         bisect.insort(self.running, request, key=lambda r: r.arrival_time)
 

@@ -17,13 +17,16 @@ blocks usually survive in the prefix cache, so the recompute is cheap). Three po
             requests are admitted in turns, the tenant furthest below its share first, so one
             tenant's burst queues behind its own requests, not everyone's; within a tenant, by
             priority, then arrival. When every seat is taken, a waiting tenant below its share
-            takes a seat from the tenant furthest above its share (its newest running request).
+            takes a seat from the tenant furthest above its share (its worst-ranked running request).
 
 The fair policy's bound: a request of a tenant below its share is given a seat in the first
 step after it arrives (the step preempts for it), and its prompt is then scheduled like any
 other (a short prompt finishes in that step: the scheduler runs prefills that can finish before
-chunks of long ones). It is a bound in seats; the KV memory a request needs is not shared out by
-tenant, since on the hosts brisk serves from CPU the seats run out long before the blocks.
+chunks of long ones). It is a bound in seats. KV memory is shared out by weight where it runs
+short: when the pool cannot hold a running request's next tokens, the request preempted to make
+room (`memory_victim`) belongs to the tenant holding the most blocks for its weight, so one
+tenant's long contexts cost that tenant, not the others. Under fcfs the newest request gives its
+blocks back (vLLM's rule), under priority the worst-ranked one (vLLM's too).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import abc
 import bisect
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from brisk.config import SCHEDULING_POLICIES
 from brisk.engine.request import Request
@@ -62,6 +65,13 @@ class WaitingQueue(abc.ABC):
         """Running requests to preempt so that waiting ones ranked above them get seats, with
         `seats` seats in the batch in all; none by default."""
         return []
+
+    def memory_victim(self, running: list[Request], held: Callable[[Request], int]) -> Request:
+        """The running request that gives its KV blocks back when the pool cannot hold a running
+        request's next tokens (`running` in arrival order, `held` the blocks a request holds; the
+        request that needs the room may be the one named). The newest by default, as vLLM does
+        under fcfs: the oldest request always advances, so every request finishes."""
+        return running[-1]
 
 
 class FcfsQueue(WaitingQueue):
@@ -130,6 +140,12 @@ class PriorityQueue(WaitingQueue):
             victims.append(worst_first[len(victims)])
         return victims
 
+    def memory_victim(self, running: list[Request], held: Callable[[Request], int]) -> Request:
+        """The worst-ranked running request (highest priority value, then newest), as vLLM
+        preempts under its priority policy: memory pressure never costs a better request its
+        blocks while a worse one keeps them."""
+        return max(running, key=_rank)
+
 
 class FairQueue(WaitingQueue):
     """Waiting requests per tenant, admitted by weighted shares of the batch's seats."""
@@ -181,15 +197,15 @@ class FairQueue(WaitingQueue):
 
     def seat_victims(self, running: list[Request], seats: int) -> list[Request]:
         """With every seat taken, a waiting tenant below its share (by at least a whole seat)
-        takes one from the tenant furthest above its share, its newest running request, until
-        it reaches its share, has nobody waiting, or no tenant is above its share."""
+        takes one from the tenant furthest above its share, its worst-ranked running request (by
+        priority, then the newest), until it reaches its share, has nobody waiting, or no tenant
+        is above its share."""
         if len(running) < seats or not self._tenants:
             return []
         share = self.shares(running, seats)
         seated = Counter(r.tenant for r in running)
         waiting = {t: len(q.requests) for t, q in self._tenants.items()}
-        newest_first = {t: sorted((r for r in running if r.tenant == t), key=lambda r: r.arrival_time)
-                        for t in seated}
+        best_first = {t: sorted((r for r in running if r.tenant == t), key=_rank) for t in seated}
         victims = []
         while True:
             needy = [t for t in waiting if waiting[t] and seated[t] + 1 <= share[t]]
@@ -198,10 +214,26 @@ class FairQueue(WaitingQueue):
                 return victims
             taker = min(needy, key=lambda t: seated[t] / self.weight(t))
             giver = max(rich, key=lambda t: seated[t] / self.weight(t))
-            victims.append(newest_first[giver].pop())
+            victims.append(best_first[giver].pop())
             seated[giver] -= 1
             seated[taker] += 1
             waiting[taker] -= 1
+
+    def memory_victim(self, running: list[Request], held: Callable[[Request], int]) -> Request:
+        """KV memory shared out by weight, as the seats are: the worst-ranked running request of
+        the tenant that holds the most blocks for its weight (ties: the tenant whose newest
+        request is newest), so a tenant whose long contexts fill the pool gives its own blocks
+        back before it costs a lighter tenant theirs; with one tenant, the newest request goes.
+        The oldest running request is never named while another runs: it always advances, so a
+        request whose context needs more than its tenant's share still finishes once it is the
+        oldest, however busy the other tenants keep the pool."""
+        blocks: Counter[str] = Counter()
+        for request in running:
+            blocks[request.tenant] += held(request)
+        candidates = running[1:] or running
+        newest = {r.tenant: r.arrival_time for r in candidates}
+        tenant = max(newest, key=lambda t: (blocks[t] / self.weight(t), newest[t]))
+        return max((r for r in candidates if r.tenant == tenant), key=_rank)
 
 
 def waiting_queue(policy: str, tenant_weights: dict[str, float] | None = None) -> WaitingQueue:

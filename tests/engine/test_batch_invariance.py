@@ -88,3 +88,27 @@ def test_small_chunks_and_preemption_give_the_same_tokens(real_model_path, refer
     assert _tokens(llm, _prompts(llm)) == reference
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_memory_pressure_takes_blocks_as_the_policy_says_and_keeps_the_tokens(real_model_path, reference, policy):
+    """The same short pool; the later a prompt, the better its priority. fcfs preempts the newest
+    (the best-ranked here), priority the worst-ranked: the best never gives blocks back. Every
+    request's tokens are the uncached batch's, whoever recomputed."""
+    llm = LLM(real_model_path, device="cpu", num_kv_blocks=24, max_model_len=256, scheduling_policy=policy)
+    victims = []
+    name = llm.engine.scheduler.waiting.memory_victim
+
+    def recorded(running, held):
+        victim = name(running, held)
+        victims.append(victim.priority)
+        return victim
+
+    llm.engine.scheduler.waiting.memory_victim = recorded
+    prompts = _prompts(llm)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[-i for i in range(len(prompts))])
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert victims
+    best = -(len(prompts) - 1)
+    assert (best in victims) == (policy == "fcfs")
+    assert_no_leaks(llm.engine)

@@ -1,5 +1,6 @@
 """The waiting queue's policies (engine/waiting.py) driving the scheduler (no model): who is
-admitted first, and who gives up a seat when the batch is full."""
+admitted first, who gives up a seat when the batch is full, and who gives its KV blocks back
+when the pool runs out."""
 
 from __future__ import annotations
 
@@ -104,6 +105,15 @@ def test_fair_priority_orders_within_a_tenant_only():
     assert sorted(_step(s)[0]) == ["a-high", "b-any"]  # b's bad priority does not cost it its turn
 
 
+def test_fair_takes_a_seat_from_the_givers_worst_ranked_request():
+    s = _scheduler(FairQueue(), max_num_seqs=2)
+    s.add(_request("a-low", "a", priority=5))
+    s.add(_request("a-high", "a", priority=-5))  # the newest, but a's best
+    _step(s)
+    s.add(_request("b0", "b"))
+    assert _step(s)[1] == ["a-low"]
+
+
 def test_a_preempted_request_is_recomputed_and_finishes():
     s = _scheduler(FairQueue(), max_num_seqs=2)
     s.add(_request("a0", "a", max_tokens=6))
@@ -117,6 +127,60 @@ def test_a_preempted_request_is_recomputed_and_finishes():
     while s.has_unfinished_requests:
         _step(s)
     assert a1.num_output_tokens == 6 and a1.status is RequestStatus.FINISHED_LENGTH
+
+
+def _fill_pool(queue, requests: list[tuple[str, str, int, int]]) -> Scheduler:
+    """A pool of blocks of 4 tokens with exactly the blocks these (id, tenant, priority, prompt
+    length) prompts take, all admitted in one step, in this arrival order: the next block any
+    of them needs costs somebody else theirs. Each asks for 4 tokens, so any one fits alone."""
+    s = _scheduler(queue, max_num_seqs=len(requests), budget=1024,
+                   num_blocks=sum(-(-n // 4) for *_, n in requests))
+    for rid, tenant, priority, prompt_len in requests:
+        s.add(_request(rid, tenant, priority, prompt_len, max_tokens=4))
+    assert sorted(_step(s)[0]) == sorted(r[0] for r in requests) and s.kv.num_free_blocks == 0
+    return s
+
+
+def _first_preempted(s: Scheduler) -> list[str]:
+    """Who gives blocks back in the first step that preempts, in the order they were named."""
+    for _ in range(8):
+        preempted = _step(s)[1]
+        if preempted:
+            return preempted
+    raise AssertionError("nobody was preempted")
+
+
+def test_memory_pressure_preempts_the_newest_under_fcfs_and_the_worst_ranked_under_priority():
+    """Three prompts of one block each: every decode needs a block more. fcfs: bad (the oldest)
+    takes mid's, good's own go back. priority: bad gives its own back, good takes mid's."""
+    requests = [("bad", "t", 9, 4), ("good", "t", 0, 4), ("mid", "t", 5, 4)]
+    assert _first_preempted(_fill_pool(FcfsQueue(), requests)) == ["mid", "good"]
+    s = _fill_pool(PriorityQueue(), requests)
+    assert _first_preempted(s) == ["bad", "mid"]
+    assert s.requests["good"].status is RequestStatus.RUNNING
+    while s.has_unfinished_requests and s.requests["bad"].status is RequestStatus.WAITING:
+        assert "good" not in _step(s)[1]
+
+
+def test_fair_memory_goes_from_the_tenant_holding_most_blocks_for_its_weight():
+    """a's second prompt holds 6 blocks, b's two hold 1 each: when the pool runs out, a gives
+    back, not the newest request (b1, which fcfs would preempt); a0, the oldest running
+    request, is never the one named, so the victim is a1."""
+    requests = [("a0", "a", 0, 4), ("b0", "b", 0, 4), ("a1", "a", 0, 24), ("b1", "b", 0, 4)]
+    assert _first_preempted(_fill_pool(FcfsQueue(), requests))[0] == "b1"
+    assert _first_preempted(_fill_pool(FairQueue(), requests))[0] == "a1"
+    # weights divide the blocks: a (7 blocks) over weight 8 holds less for its weight than b (2 over 1)
+    assert _first_preempted(_fill_pool(FairQueue({"a": 8}), requests))[0] == "b1"
+
+
+def test_fair_memory_pressure_never_preempts_the_oldest_request():
+    """a's one request holds 6 of 8 blocks: over its share, but the oldest: b's newest gives
+    back, and every request still finishes."""
+    s = _fill_pool(FairQueue(), [("a0", "a", 0, 24), ("b0", "b", 0, 4), ("b1", "b", 0, 4)])
+    assert _first_preempted(s)[0] == "b1"
+    while s.has_unfinished_requests:
+        assert "a0" not in _step(s)[1]
+    assert s.kv.num_free_blocks == s.kv.num_blocks
 
 
 def test_waiting_queue_resolves_auto_and_refuses_unknown_policies():
