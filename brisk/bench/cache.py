@@ -78,26 +78,57 @@ def pairs(name: str) -> list[dict]:
     return read_jsonl(os.path.join(DATA, f"{name}_pairs.jsonl"))
 
 
+class RedisServer:
+    """A throwaway redis-server (Debian's, from `make install`) on a free port, keeping no data
+    (no persistence). kill() and start() again keep its port, as a Redis restarted by its
+    supervisor does: what the store's fault tests need."""
+
+    def __init__(self, folder: str):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError("redis-server is not installed (make install puts Debian's package in)")
+        self.folder, self.port = folder, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        import redis
+
+        self.process = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+                                         self.folder, "--save", "", "--appendonly", "no"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client, deadline = redis.Redis(port=self.port), time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        self.kill()
+                        raise RuntimeError(f"redis-server did not start (exit code {self.process.poll()})") from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+
 @contextmanager
 def redis_server(folder: str) -> Iterator[str]:
-    """A throwaway redis-server (Debian's, from `make install`) on a free port; yields its URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise FileNotFoundError("redis-server is not installed (make install puts Debian's package in)")
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", folder, "--save", "",
-                                "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    """A RedisServer for the length of a `with`; yields its URL."""
+    server = RedisServer(folder)
+    server.start()
     try:
-        deadline = time.monotonic() + 10
-        while subprocess.run([binary.replace("redis-server", "redis-cli"), "-p", str(port), "ping"],
-                             capture_output=True).returncode != 0:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start (exit code {process.poll()})")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
 
 
 def _chat(question: str) -> dict:
