@@ -156,6 +156,9 @@ class RayEngineClient(EngineClient):
             raise EngineDeadError("the server is shutting down")
         if not self.is_healthy():
             raise EngineDeadError(f"no replica has answered healthy in the last {HEALTHY_WITHIN_SECONDS:g} s")
+        known = self._adapters.get(options.adapter) if options.adapter is not None else None
+        if known is not None:  # a replica started since it was loaded reads it from there first
+            options = dataclasses.replace(options, adapter_path=known.path)
         # The prompt goes first and positional, the options by name: the router reads them so.
         response = self._handle.options(stream=True).generate.remote(list(prompt_token_ids), params, request_id,
                                                                      options=options)

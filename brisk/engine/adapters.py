@@ -130,10 +130,14 @@ class Adapters:
         return self.infos.get(name) if name is not None and name not in self._resident else None
 
     def restore(self, read: ReadAdapter) -> None:
-        """Keeps an adapter read again off the loop (`read` of a `dropped` one), unless it was
-        unloaded, loaded again from other files or read meanwhile: then `get` decides as ever."""
+        """Keeps an adapter read off the loop for requests that wait for it: a `dropped` one read
+        again, unless it was unloaded, loaded again from other files or read meanwhile (then
+        `get` decides as ever); or one not known here that a request named with its files
+        (RequestOptions.adapter_path), which is loaded."""
         name = read.info.name
-        if self.infos.get(name) == read.info and name not in self._resident:
+        if name not in self.infos:
+            self.load(name, read.info.path, read=read)
+        elif self.infos[name] == read.info and name not in self._resident:
             self._keep(name, read.weights)
 
     def get(self, name: str) -> AdapterWeights:

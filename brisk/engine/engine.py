@@ -163,10 +163,20 @@ class LLMEngine:
         from another thread while the engine steps."""
         return self._enabled_adapters("lora_name").read(name, path)
 
-    def adapter_to_read(self, request: EngineRequest) -> AdapterInfo | None:
-        """The adapter `request` needs read again before it is added (dropped from memory), if
-        any: a loop reads it off its thread (read_adapter), then restore_adapter, then add."""
-        return self.adapters.dropped(request.options.adapter) if self.adapters is not None else None
+    def adapter_to_read(self, request: EngineRequest) -> tuple[str, str] | None:
+        """The adapter (name, files) `request` needs read before it is added, if any: one dropped
+        from memory (max_cpu_loras), or one this engine does not know whose files the request
+        names (RequestOptions.adapter_path). A loop reads it off its thread (read_adapter), then
+        restore_adapter, then add."""
+        name = request.options.adapter
+        if self.adapters is None or name is None:
+            return None
+        dropped = self.adapters.dropped(name)
+        if dropped is not None:
+            return dropped.name, dropped.path
+        if name not in self.adapters.infos and request.options.adapter_path is not None:
+            return name, request.options.adapter_path
+        return None
 
     def restore_adapter(self, read: ReadAdapter) -> None:
         self._enabled_adapters("model").restore(read)

@@ -65,6 +65,11 @@ class RequestOptions:
     adapter: str | None = None
     lora_scale: float = 1.0  # the adapter's update times this (llama.cpp's per-request scale)
     draft: tuple[int, ...] = ()
+    # Where `adapter`'s files are, for an engine that does not serve it yet: it reads them first
+    # (off its loop), as vLLM's LoRARequest carries lora_path. Set by the Ray ingress from its
+    # own set of adapters, so a replica started after a run-time load serves them from its first
+    # request; never from a request's body.
+    adapter_path: str | None = None
 
     @property
     def prefix_salt(self) -> Hashable:

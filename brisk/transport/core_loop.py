@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from brisk.transport.client import EngineDeadError, QueueLoad
-from brisk.engine.adapters import AdapterInfo, ReadAdapter
+from brisk.engine.adapters import ReadAdapter
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import EngineRequest
@@ -75,7 +75,7 @@ class Prepare:
 @dataclass
 class _Readmit:
     """Posted by the loop's own reading thread (never by a client): the adapter `name` was read
-    again (`read`; None if that failed), so the requests parked for it go in."""
+    (`read`; None if that failed), so the requests parked for it go in."""
 
     name: str
     read: ReadAdapter | None
@@ -181,7 +181,7 @@ class EngineLoop:
         self._stats = _StatBuffer()
         self._drained = QueueLoad(0, 0)
         self._stopping = False
-        self._parked: dict[str, list[AddRequest]] = {}  # adapter being read again -> requests waiting for it
+        self._parked: dict[str, list[AddRequest]] = {}  # adapter being read -> requests waiting for it
 
     def stop(self) -> None:
         """Ends the loop after the current step; requests still running end with EngineDeadError."""
@@ -257,15 +257,15 @@ class EngineLoop:
             then = functools.partial(_raise, RuntimeError(f"preparing the call failed: {exc!r}"))
         self.inbox.post(Call(command.call_id, then))
 
-    def _read_again(self, adapter: AdapterInfo) -> None:
+    def _read_again(self, name: str, path: str) -> None:
         """On the reading thread: the adapter's files, back to the loop (None if reading failed:
-        the parked requests are added all the same, and the loop's own read names the error)."""
+        the parked requests are added all the same, and the engine names the error to each)."""
         try:
-            read = self.engine.read_adapter(adapter.name, adapter.path)
+            read = self.engine.read_adapter(name, path)
         except BaseException:  # noqa: BLE001 - the parked requests go in anyway, none waits forever
-            logger.exception("reading LoRA adapter %s again failed", adapter.name)
+            logger.exception("reading LoRA adapter %s from %s failed", name, path)
             read = None
-        self.inbox.post(_Readmit(adapter.name, read))
+        self.inbox.post(_Readmit(name, read))
 
     def _abort(self, request_ids: list[str], step: StepOutputs) -> None:
         """Each request's last output (finish_reason "abort") goes to its stream, if one still reads
@@ -279,10 +279,11 @@ class EngineLoop:
     def _add(self, command: AddRequest, step: StepOutputs, may_park: bool = True) -> None:
         adapter = self.engine.adapter_to_read(command.request) if may_park and not self._stopping else None
         if adapter is not None:
-            if adapter.name not in self._parked:
-                threading.Thread(target=self._read_again, args=(adapter,), name="brisk-read-adapter",
+            name, path = adapter
+            if name not in self._parked:
+                threading.Thread(target=self._read_again, args=(name, path), name="brisk-read-adapter",
                                  daemon=True).start()
-            self._parked.setdefault(adapter.name, []).append(command)
+            self._parked.setdefault(name, []).append(command)
             return
         self._drained += command.load
         try:

@@ -429,6 +429,56 @@ def test_streams_go_on_while_a_dropped_adapter_is_read_again(served, monkeypatch
     assert answers == [hf_greedy(merged["qv"], prompt, 5)] * 2
 
 
+def test_a_request_naming_an_unknown_adapters_files_loads_it_off_the_loop(served, monkeypatch):
+    """An engine that does not serve an adapter (a Ray replica started after a run-time load)
+    gets requests that name it with its files (RequestOptions.adapter_path, set by the Ray
+    ingress): they wait, parked, while a thread reads it once, then answer as the merged model
+    does; the adapter is served from then on. A request naming files that are not an adapter
+    is a 404 of its own; one naming an adapter without files is refused as before."""
+    from brisk.engine.adapters import Adapters, AdapterNotFound
+    from brisk.transport.async_engine import AsyncEngine
+
+    base, folders, merged, _ = served
+    read, reads = Adapters._read, []
+
+    def slow_read(self, name, path):
+        reads.append(name)
+        time.sleep(0.3)
+        return read(self, name, path)
+
+    monkeypatch.setattr(Adapters, "_read", slow_read)
+    llm = _llm(served, lora_modules=[], enable_lora=True)
+    engine = AsyncEngine(engine=llm.engine)
+    prompt = _prompt(8, seed=76)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    async def answer(request_id: str, options: RequestOptions) -> list[int]:
+        outputs = [o async for o in engine.generate(prompt, params, request_id, options)]
+        return list(outputs[-1].outputs[0].token_ids)
+
+    async def scenario() -> list:
+        sourced = RequestOptions(adapter="qv", adapter_path=folders["qv"])
+        first = await asyncio.gather(answer("a", sourced), answer("b", sourced))
+        results = [first, await answer("c", RequestOptions(adapter="qv"))]
+        for options in (RequestOptions(adapter="bad", adapter_path=base), RequestOptions(adapter="nameless")):
+            try:
+                await answer(f"refused-{options.adapter}", options)
+            except AdapterNotFound as exc:
+                results.append(str(exc))
+        return results
+
+    try:
+        first, later, *refused = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    expected = hf_greedy(merged["qv"], prompt, 5)
+    assert first == [expected] * 2 and later == expected
+    assert reads == ["qv", "bad"]  # one read for both parked requests; none for the request without files
+    assert llm.engine.adapters.infos["qv"].path == folders["qv"] and "bad" not in llm.engine.adapters.infos
+    assert len(refused) == 2 and "no adapter named 'bad'" in refused[0] and "'nameless'" in refused[1]
+    assert_no_leaks(llm.engine)
+
+
 def test_a_request_aborted_while_its_adapter_is_read_again_never_runs(served, monkeypatch):
     """Aborted while parked for a read (its client gone), a request is dropped where it waits:
     once the adapter is read, nothing runs, and every block is back."""
