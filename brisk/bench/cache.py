@@ -104,9 +104,10 @@ class RedisServer:
                     client.ping()
                     return
                 except redis.ConnectionError:
-                    if self.process.poll() is not None or time.monotonic() > deadline:
+                    code = self.process.poll()
+                    if code is not None or time.monotonic() > deadline:
                         self.kill()
-                        raise RuntimeError(f"redis-server did not start (exit code {self.process.poll()})") from None
+                        raise RuntimeError(f"redis-server did not start (exit code {code})") from None
                     time.sleep(0.05)
         finally:
             client.close()
