@@ -148,7 +148,12 @@ class Adapters:
         weights = self._resident.get(name)
         if weights is None:  # dropped from memory: read again, from the same files
             info = self.infos[name]
-            if content_digest(info.path) != info.identity:
+            try:
+                identity = content_digest(info.path)
+            except OSError as exc:
+                raise LoRAError("model", f"adapter {name!r} was dropped from memory (max_cpu_loras) and its files "
+                                         f"can no longer be read ({exc}); load it again") from None
+            if identity != info.identity:
                 raise LoRAError("model", f"adapter {name!r} changed on disk ({info.path}) since it was loaded; load "
                                          "it again to serve the new one (POST /v1/load_lora_adapter, load_inplace)")
             weights, _ = self._read(name, info.path)

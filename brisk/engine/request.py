@@ -9,7 +9,6 @@ a decode and a recompute after preemption are all the same operation.
 from __future__ import annotations
 
 import enum
-import math
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
@@ -19,6 +18,8 @@ from brisk.engine.step_hook import VerifyPlan
 from brisk.kernels.lora import AdapterWeights
 from brisk.sample.grammar import Grammar
 from brisk.sampling_params import SamplingError, SamplingParams
+
+FLOAT32_MAX = 3.4028234663852886e38  # a LoRA update's scale is applied in float32
 
 
 def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int,
@@ -103,8 +104,8 @@ class EngineRequest:
             raise SamplingError("draft", f"{bad[:5]} are outside the vocabulary of {vocab_size}")
         if options.lora_scale != 1.0 and options.adapter is None:
             raise SamplingError("lora_scale", "scales a LoRA adapter's update: name an adapter")
-        if not math.isfinite(options.lora_scale):
-            raise SamplingError("lora_scale", f"must be a finite number, got {options.lora_scale!r}")
+        if not abs(options.lora_scale) <= FLOAT32_MAX:  # 1e308 is finite, and inf in float32
+            raise SamplingError("lora_scale", f"must be a finite number (as a float32), got {options.lora_scale!r}")
         options = replace(options, draft=tuple(options.draft))
         return cls(request_id, list(prompt_token_ids), params, options,
                    arrival_time if arrival_time is not None else time.monotonic())

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,9 @@ class LoRAConfig:
             if value not in (default, None, False, {}, []):
                 raise LoRAError(field, f"{value!r} is not supported (brisk applies plain LoRA: {default!r})")
         targets = data.get("target_modules") or []
-        named = [targets] if isinstance(targets, str) else list(targets)
+        named = [targets] if isinstance(targets, str) else targets
+        if not isinstance(named, list) or not all(isinstance(t, str) for t in named):
+            raise LoRAError("target_modules", f"must be a module name or a list of them, got {targets!r}")
         if bad := [t for t in named if t.split(".")[-1] in ("embed_tokens", "lm_head")]:
             raise LoRAError("target_modules", f"{bad} are not supported: brisk adapts the attention's and the "
                                               "MLP's linear layers")
@@ -89,8 +92,8 @@ class LoRAConfig:
         if not isinstance(rank, int) or rank < 1:
             raise LoRAError("r", f"the rank must be a positive integer, got {rank!r}")
         alpha = data.get("lora_alpha", rank)
-        if not isinstance(alpha, (int, float)) or alpha <= 0:
-            raise LoRAError("lora_alpha", f"must be a positive number, got {alpha!r}")
+        if not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:  # json reads NaN and Infinity
+            raise LoRAError("lora_alpha", f"must be a positive finite number, got {alpha!r}")
         return cls(rank, float(alpha), bool(data.get("use_rslora", False)))
 
 
@@ -120,8 +123,14 @@ class LoRAAdapter:
             if not os.path.isfile(path):
                 raise LoRAError("lora_path", f"no file at {path}")
             config, halves = _read_gguf(path, model)
+        elif os.path.exists(path) and not os.path.isdir(path):
+            raise LoRAError("lora_path", f"{path} is neither a PEFT adapter's folder nor a llama.cpp LoRA "
+                                         f"{GGUF_SUFFIX} file")
         else:
             config, halves = LoRAConfig.from_peft(_read_config(path)), _read_peft(path)
+        for module, pair in halves.items():  # a NaN in an adapter would give its requests made-up text
+            if bad := [half for half, tensor in pair.items() if not torch.isfinite(tensor).all()]:
+                raise LoRAError(WEIGHTS_FILE, f"{module}: lora_{bad[0]} holds values that are not finite numbers")
         shards = [_shard(module, pair, config, model) for module, pair in sorted(halves.items())]
         if not shards:
             raise LoRAError(WEIGHTS_FILE, f"no LoRA weights in {path}")
@@ -186,8 +195,12 @@ def _read_peft(path: str) -> dict[str, dict[str, torch.Tensor]]:
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights):
         raise LoRAError(WEIGHTS_FILE, f"not found in {path} (brisk reads safetensors adapters only)")
+    try:
+        tensors = load_file(weights)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error, or an OSError, on a bad file
+        raise LoRAError(WEIGHTS_FILE, f"could not be read as safetensors ({exc})") from None
     halves: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights).items():
+    for key, tensor in tensors.items():
         match = _TENSOR.match(key)
         if match is None:  # lora_embedding_A, lora_magnitude_vector (DoRA), a bias...
             raise LoRAError(WEIGHTS_FILE, f"tensor {key!r} is not a LoRA A or B matrix of a linear layer")
@@ -203,12 +216,16 @@ def _read_gguf(path: str, model: LlamaForCausalLM) -> tuple[LoRAConfig, dict[str
         lora = read_lora(path, spec.num_heads, spec.num_kv_heads)
     except ValueError as exc:
         raise LoRAError("lora_path", str(exc)) from None
+    except (OSError, EOFError, struct.error, KeyError, IndexError, TypeError) as exc:  # a cut or garbled file
+        raise LoRAError("lora_path", f"{path} could not be read as a GGUF file ({type(exc).__name__}: {exc})") from None
     if lora.architecture != spec.architecture:
         raise LoRAError("lora_path", f"{path} adapts a {lora.architecture} model; this one is {spec.architecture}")
     ranks = {pair["A"].shape[0] for pair in lora.halves.values() if "A" in pair}
     if len(ranks) != 1:
         raise LoRAError("lora_path", f"{path}: its matrices have ranks {sorted(ranks)}; brisk needs one rank")
     rank = ranks.pop()
+    if not 0 <= lora.alpha < math.inf:
+        raise LoRAError("adapter.lora.alpha", f"{path}: must be a positive finite number, got {lora.alpha!r}")
     return LoRAConfig(rank, lora.alpha or float(rank)), lora.halves
 
 
@@ -219,7 +236,9 @@ def _read_config(path: str) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise LoRAError(CONFIG_FILE, f"not found in {path}: not a PEFT adapter folder") from None
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise LoRAError(CONFIG_FILE, f"could not be read in {path} ({exc})") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
         raise LoRAError(CONFIG_FILE, f"is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise LoRAError(CONFIG_FILE, "is not a JSON object")

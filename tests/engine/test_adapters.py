@@ -157,6 +157,27 @@ def test_memory_keeps_max_cpu_loras_and_never_drops_one_in_use(served):
     assert adapters.resident == ["qv"]  # past the capacity once "qv" no longer ran
 
 
+def test_a_dropped_adapter_whose_files_are_gone_is_refused_by_name(served, tmp_path):
+    """Dropped from memory, then its folder deleted: a request for it is a LoRAError (the
+    server's 400) saying so, and the engine serves the others on."""
+    import shutil
+
+    _, folders, _, _ = served
+    llm = _llm(served, max_loras=1, max_cpu_loras=1, lora_modules=[], enable_lora=True)
+    engine = llm.engine
+    copy = shutil.copytree(folders["qv"], tmp_path / "qv")
+    engine.load_adapter("gone", str(copy))
+    engine.load_adapter("kept", folders["mlp"])  # drops "gone" from memory
+    shutil.rmtree(copy)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with pytest.raises(LoRAError, match="'gone' was dropped from memory .* can no longer be read") as raised:
+        engine.add_request(_prompt(5, seed=6), params, "gone-request", lora_request=LoRARequest("gone"))
+    assert raised.value.field == "model"
+    output = llm.generate([_prompt(5, seed=6)], params, use_tqdm=False, lora_request=LoRARequest("kept"))[0]
+    assert len(output.outputs[0].token_ids) == 3
+    assert_no_leaks(engine)
+
+
 def test_unloading_lets_running_requests_finish_and_refuses_new_ones(served):
     llm = _llm(served)
     engine = llm.engine
@@ -227,6 +248,10 @@ def test_a_requests_scale_scales_its_adapter_and_keys_its_prefix_blocks(served, 
     with pytest.raises(SamplingError, match="lora_scale"):
         llm.engine.add(EngineRequest.checked("x", [5, 6], SamplingParams(), TINY_VOCAB, 256,
                                              RequestOptions(lora_scale=0.5)))
+    for scale in (float("nan"), float("inf"), 1e308, -3.5e38):  # 1e308 is a finite double, inf as a float32
+        with pytest.raises(SamplingError, match="lora_scale: must be a finite number"):
+            EngineRequest.checked("x", [5, 6], SamplingParams(), TINY_VOCAB, 256,
+                                  RequestOptions(adapter="all", lora_scale=scale))
     assert_no_leaks(llm.engine)
 
 

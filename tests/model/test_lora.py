@@ -7,6 +7,7 @@ LoRAError naming the field."""
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import torch
@@ -62,7 +63,9 @@ def tiny_and_adapter(tmp_path_factory):
 @pytest.mark.parametrize("field, value", [("use_dora", True), ("modules_to_save", ["lm_head"]), ("bias", "all"),
                                           ("rank_pattern", {"q_proj": 8}), ("alpha_pattern", {"q_proj": 4}),
                                           ("fan_in_fan_out", True), ("peft_type", "IA3"), ("r", 0),
-                                          ("target_modules", ["q_proj", "embed_tokens"]), ("lora_alpha", "big")])
+                                          ("target_modules", ["q_proj", "embed_tokens"]), ("lora_alpha", "big"),
+                                          ("target_modules", 5), ("lora_alpha", float("nan")),
+                                          ("lora_alpha", float("inf"))])
 def test_what_brisk_does_not_implement_is_refused_by_name(tiny_and_adapter, tmp_path, field, value):
     model, adapter = tiny_and_adapter
     config = json.loads((adapter / CONFIG_FILE).read_text())
@@ -82,6 +85,38 @@ def test_a_folder_without_an_adapter_or_of_another_shape_is_refused(tiny_and_ada
     (tmp_path / "adapter_model.safetensors").symlink_to(adapter / "adapter_model.safetensors")
     with pytest.raises(LoRAError, match="do not fit a rank-8 update"):
         LoRAAdapter.load("wrong", str(tmp_path), model)
+
+
+def test_damaged_adapter_files_are_refused_naming_what_is_wrong(tiny_and_adapter, tmp_path):
+    """Each a LoRAError (the server's 400), never another exception (a 500)."""
+    from safetensors.torch import load_file, save_file
+
+    model, adapter = tiny_and_adapter
+    config = (adapter / CONFIG_FILE).read_text()
+
+    def folder(name: str, weights: bytes | None = None, config_text: str = config):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / CONFIG_FILE).write_text(config_text)
+        if weights is not None:
+            (tmp_path / name / "adapter_model.safetensors").write_bytes(weights)
+        return str(tmp_path / name)
+
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 1))  # a tensor and a field promised
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    key = next(iter(tensors))
+    save_file({**tensors, key: torch.full_like(tensors[key], float("nan"))}, str(tmp_path / "nan.safetensors"))
+    cases = {str(tmp_path / "notes.txt"): ("lora_path", "neither a PEFT adapter's folder"),
+             str(adapter / CONFIG_FILE): ("lora_path", "neither a PEFT adapter's folder"),
+             str(tmp_path / "cut.gguf"): ("lora_path", "could not be read as a GGUF file"),
+             folder("empty", b""): ("adapter_model.safetensors", "could not be read as safetensors"),
+             folder("random", bytes(range(256)) * 4): ("adapter_model.safetensors", "could not be read"),
+             folder("latin", b"", "\xff\xfe{"): (CONFIG_FILE, "is not JSON"),
+             folder("nan", (tmp_path / "nan.safetensors").read_bytes()): ("adapter_model.safetensors", "not finite")}
+    for path, (field, message) in cases.items():
+        with pytest.raises(LoRAError, match=message) as raised:
+            LoRAAdapter.load("bad", path, model)
+        assert raised.value.field == field, path
 
 
 # llama.cpp's LoRA GGUF files (convert_lora_to_gguf.py): the same adapter as the PEFT folder it
