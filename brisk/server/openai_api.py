@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -76,9 +76,10 @@ class OpenAIServing:
         """A LoRA adapter, as vLLM lists one: its folder as `root`, the base model as `parent`."""
         return {**self._model_card(adapter.name), "root": adapter.path, "parent": self.model_name}
 
-    def _reported_model(self, body) -> str:
-        """The `model` of a response: the adapter the request ran with, else the first served name."""
-        return body.model if body.model in self.serving.adapters else self.model_name
+    def _reply(self, prefix: str, adapter: AdapterInfo | None) -> _Reply:
+        """A response's id, time and `model`: the adapter the request runs with, else the first
+        served name, fixed as the request starts (an unload meanwhile changes nothing of it)."""
+        return _Reply(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), adapter.name if adapter else self.model_name)
 
     # ----- LoRA adapters at run time (vLLM's routes) ------------------------------------------
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, http: Request) -> Response:
@@ -103,10 +104,10 @@ class OpenAIServing:
             raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",
                            param="prompt_logprobs")
         cached = await lookup(self.caching, http, chat_cacheable(body, adapter) if self.caching else None)
-        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        reply = self._reply("chatcmpl", adapter)
         if cached.served:
             prompt_ids = await serving.render_chat(body) if cached.status == "semantic" else None
-            return self._replay(body, cached, request_id, created, self._replay_chat, prompt_ids)
+            return self._replay(body, cached, reply, self._replay_chat, prompt_ids)
         prompt_ids = await serving.render_chat(body)
         constraint, forced = body.structured_outputs_spec(), tool_grammar(body)
         if constraint is not None and forced is not None:
@@ -115,22 +116,22 @@ class OpenAIServing:
         params = body.sampling_params(serving.max_tokens(body.requested_max_tokens(), len(prompt_ids), "messages"),
                                       constraint or forced)
         draft = self._draft(cached, lambda choice: choice["message"].get("content"))
-        streams = await serving.submit([prompt_ids], [params], request_id, _options(body, http, adapter, draft))
+        streams = await serving.submit([prompt_ids], [params], reply.id, _options(body, http, adapter, draft))
         tools = _ToolCalls({t.function.name for t in body.tools or []} if body.tool_choice != "none" else set(),
                            forced is not None)
         if body.stream:
-            return sse(self._chat_stream(body, streams[0], request_id, created, tools, cached), cached.headers)
+            return sse(self._chat_stream(body, streams[0], reply, tools, cached), cached.headers)
         finals = await serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)
-        response = self._chat_response(body, finals[0], tools, request_id, created)
+        response = self._chat_response(body, finals[0], tools, reply)
         if worth_storing(finals):
             await cached.save(response)
         return JSONResponse(response, headers=cached.accepted_headers(draft, finals[0].outputs[0].token_ids))
 
-    def _chat_response(self, body: ChatCompletionRequest, final: RequestOutput, tools: "_ToolCalls", request_id: str,
-                       created: int) -> dict:
-        response = {"id": request_id, "object": "chat.completion", "created": created, "model": self._reported_model(body),
+    def _chat_response(self, body: ChatCompletionRequest, final: RequestOutput, tools: "_ToolCalls",
+                       reply: _Reply) -> dict:
+        response = {"id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model,
                     "choices": [_chat_choice(body, c, tools) for c in final.outputs], "usage": _usage([final])}
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = _vllm_prompt_logprobs(final.prompt_logprobs)
@@ -145,12 +146,13 @@ class OpenAIServing:
         text = text_of(cached.hit.response["choices"][0])
         return tuple(self.serving.engine.tokenizer.encode(text, add_special_tokens=False)) if text else ()
 
-    def _replay(self, body, cached: CacheLookup, response_id: str, created: int, stream_events,
+    def _replay(self, body, cached: CacheLookup, reply: _Reply, stream_events,
                 prompt_ids: list[int] | None) -> Response:
-        """The cached response under this request's id and time; streamed if the request streams.
+        """The cached response under this request's id, time and model name (another name of the
+        same model or adapter may have stored it); streamed if the request streams.
         A semantic hit's answer was stored for another wording: its usage counts this request's
         prompt (`prompt_ids`), the completion as stored, and no token read from the prefix cache."""
-        response = {**cached.hit.response, "id": response_id, "created": created}
+        response = {**cached.hit.response, "id": reply.id, "created": reply.created, "model": reply.model}
         if prompt_ids is not None:
             response["usage"] = _usage_counts(len(prompt_ids), response["usage"]["completion_tokens"], 0)
         if body.stream:
@@ -160,7 +162,7 @@ class OpenAIServing:
     async def _replay_chat(self, body: ChatCompletionRequest, response: dict) -> AsyncIterator[dict]:
         """A cached chat completion as the chunks a live one streams: the role, then each
         choice's whole content (and tool calls) in one delta, then usage if asked."""
-        chunk = self._chunker(body, "chat.completion.chunk", response["id"], response["created"])
+        chunk = self._chunker(body, "chat.completion.chunk", _Reply(response["id"], response["created"], response["model"]))
         yield chunk([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for c in response["choices"]])
         for c in response["choices"]:
@@ -174,16 +176,16 @@ class OpenAIServing:
             yield chunk([], response["usage"])
 
     async def _replay_completion(self, body: CompletionRequest, response: dict) -> AsyncIterator[dict]:
-        chunk = self._chunker(body, "text_completion", response["id"], response["created"])
+        chunk = self._chunker(body, "text_completion", _Reply(response["id"], response["created"], response["model"]))
         for c in response["choices"]:
             yield chunk([c])
         if body.include_usage:
             yield chunk([], response["usage"])
 
-    def _chunker(self, body, object_name: str, request_id: str, created: int):
+    def _chunker(self, body, object_name: str, reply: _Reply):
         """Builds the stream's chunks; with include_usage every chunk carries `usage` (null until the last)."""
         def chunk(choices: list, usage: dict | None = None) -> dict:
-            payload = {"id": request_id, "object": object_name, "created": created, "model": self._reported_model(body),
+            payload = {"id": reply.id, "object": object_name, "created": reply.created, "model": reply.model,
                        "choices": choices}
             if body.include_usage:
                 payload["usage"] = usage
@@ -192,9 +194,8 @@ class OpenAIServing:
         return chunk
 
     async def _chat_stream(self, body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput],
-                           request_id: str, created: int, tools: "_ToolCalls",
-                           cached: CacheLookup) -> AsyncIterator[dict]:
-        chunk = self._chunker(body, "chat.completion.chunk", request_id, created)
+                           reply: _Reply, tools: "_ToolCalls", cached: CacheLookup) -> AsyncIterator[dict]:
+        chunk = self._chunker(body, "chat.completion.chunk", reply)
         parsers = {i: ToolCallParser(tools.names, tools.forced) for i in range(body.n)} if tools.names else {}
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)])
@@ -217,7 +218,7 @@ class OpenAIServing:
             if choices:
                 yield chunk(choices)
         if final is not None and worth_storing([final]):
-            await cached.save(self._chat_response(body, final, tools, request_id, created))
+            await cached.save(self._chat_response(body, final, tools, reply))
         if body.include_usage and last is not None:
             yield chunk([], _usage_counts(len(last.prompt_token_ids), completion_tokens, last.num_cached_tokens))
 
@@ -231,10 +232,10 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty.", param="prompt")
         cached = await lookup(self.caching, http,
                               _completion_cacheable(body, prompts, adapter) if self.caching else None)
-        base_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        reply = self._reply("cmpl", adapter)
         if cached.served:
             prompt_ids = (await serving.tokenize(prompts, "prompt"))[0] if cached.status == "semantic" else None
-            return self._replay(body, cached, base_id, created, self._replay_completion, prompt_ids)
+            return self._replay(body, cached, reply, self._replay_completion, prompt_ids)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
         for i, ids in zip(texts, await serving.tokenize([prompts[i] for i in texts], "prompt")):
             prompts[i] = ids
@@ -243,30 +244,29 @@ class OpenAIServing:
         params = [body.sampling_params(serving.max_tokens(requested, len(ids), "prompt"), constraint)
                   for ids in prompts]
         draft = self._draft(cached, lambda choice: choice["text"])
-        streams = await serving.submit(prompts, params, base_id, _options(body, http, adapter, draft))
+        streams = await serving.submit(prompts, params, reply.id, _options(body, http, adapter, draft))
         if body.stream:
-            return sse(self._completion_stream(body, streams, base_id, created, cached), cached.headers)
+            return sse(self._completion_stream(body, streams, reply, cached), cached.headers)
         finals = await serving.collect(http, streams)
         if finals is None:
             return Response(status_code=499)
-        response = self._completion_response(body, finals, base_id, created)
+        response = self._completion_response(body, finals, reply)
         if worth_storing(finals):
             await cached.save(response)
         return JSONResponse(response, headers=cached.accepted_headers(draft, finals[0].outputs[0].token_ids))
 
-    def _completion_response(self, body: CompletionRequest, finals: list[RequestOutput], base_id: str,
-                             created: int) -> dict:
+    def _completion_response(self, body: CompletionRequest, finals: list[RequestOutput], reply: _Reply) -> dict:
         choices = [self._completion_choice(body, i * body.n + c.index, final, c)
                    for i, final in enumerate(finals) for c in final.outputs]
         usage = _usage(finals)
         if body.scores_only:
             usage = _usage_counts(usage["prompt_tokens"], 0, usage["prompt_tokens_details"]["cached_tokens"])
-        return {"id": base_id, "object": "text_completion", "created": created, "model": self._reported_model(body),
+        return {"id": reply.id, "object": "text_completion", "created": reply.created, "model": reply.model,
                 "choices": choices, "usage": usage}
 
-    async def _completion_stream(self, body: CompletionRequest, streams: Streams, base_id: str,
-                                 created: int, cached: CacheLookup) -> AsyncIterator[dict]:
-        chunk = self._chunker(body, "text_completion", base_id, created)
+    async def _completion_stream(self, body: CompletionRequest, streams: Streams, reply: _Reply,
+                                 cached: CacheLookup) -> AsyncIterator[dict]:
+        chunk = self._chunker(body, "text_completion", reply)
         echoed: set[tuple[int, int]] = set()  # (prompt, completion) pairs whose prompt went out
         prompt_logprobs: dict[int, list] = {}  # per prompt: they come with its first output only
         prompt_tokens, completion_tokens, cached_tokens = 0, 0, 0
@@ -289,8 +289,7 @@ class OpenAIServing:
                 cached_tokens += out.num_cached_tokens
             yield chunk(choices)
         if len(finals) == len(streams) and worth_storing(list(finals.values())):
-            await cached.save(self._completion_response(body, [finals[i] for i in range(len(streams))], base_id,
-                                                        created))
+            await cached.save(self._completion_response(body, [finals[i] for i in range(len(streams))], reply))
         if body.include_usage:
             yield chunk([], _usage_counts(prompt_tokens, completion_tokens, cached_tokens))
 
@@ -376,6 +375,15 @@ def _completion_cacheable(body: CompletionRequest, prompts: list[str | list[int]
                      deterministic=deterministic(body), opt=body.cache, threshold=body.cache_similarity_threshold,
                      verify=body.cache_verify if one_draft else False,
                      adapter=adapter.identity if adapter is not None else "")
+
+
+class _Reply(NamedTuple):
+    """What every response and chunk of one request repeats: its id, its creation time and the
+    `model` it answers as."""
+
+    id: str
+    created: int
+    model: str
 
 
 @dataclass

@@ -298,16 +298,21 @@ class Serving:
             return final
 
         tasks = [asyncio.ensure_future(last(s)) for s in streams]
-        gathered = asyncio.gather(*tasks)
         try:
             while True:
-                done, _ = await asyncio.wait({gathered}, timeout=0.5)
-                if done:
-                    return gathered.result()
+                done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+                if not pending:
+                    return [task.result() for task in tasks]
                 if await http.is_disconnected():
                     return None
         finally:
-            for task in tasks:  # the client left, or one stream failed: each cancelled stream aborts its request
+            # The client left, or one stream failed: each cancelled stream aborts its request; their
+            # ends are read here, so asyncio has no unread failure to log (a gather() over them
+            # would end with one when cancelled).
+            for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -174,6 +174,32 @@ def test_forty_streams_half_disconnecting_leave_nothing_behind(base_url, real_as
     assert delta("brisk:generation_tokens_total") >= 20 * 48 + 20
 
 
+def test_clients_leaving_unstreamed_requests_abort_them_without_an_error_logged(base_url, real_async_engine, caplog):
+    """A client that gives up on a non-streamed answer aborts its request (its blocks go back);
+    that is routine, so nothing is logged as an error (asyncio's "exception was never
+    retrieved" for the cancelled gathering of the request's streams was, once each)."""
+    import gc
+
+    async def leave(client, i):
+        body = {"prompt": f"Tell a long story number {i}.", "max_tokens": 400, "ignore_eos": True, "n": 2}
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json=body, timeout=0.5)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base_url) as client:
+            await asyncio.gather(*(leave(client, i) for i in range(6)))
+
+    asyncio.run(main())
+    engine = real_async_engine.engine
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    gc.collect()
+    time.sleep(0.2)  # the server's loop runs the exception handler of what was collected
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+
+
 def test_health_and_requests_answer_503_once_the_engine_loop_stopped(tmp_path, engine_kind):
     folder = build_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
     engine = engine_kind(EngineConfig(model=folder, dtype="float32", num_kv_blocks=16, max_model_len=64))

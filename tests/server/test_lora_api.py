@@ -7,6 +7,8 @@ in a process of its own."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -108,7 +110,7 @@ def test_adapters_are_models_picked_by_the_model_field(folders, expected, engine
 def test_an_adapters_cached_responses_are_its_own(folders, expected, real_embedder, tmp_path):
     from brisk.transport.async_engine import AsyncEngine
 
-    engine = AsyncEngine(_config(folders))
+    engine = AsyncEngine(_config(folders, lora_modules=[f"qv={folders['qv']}", f"twin={folders['qv']}"]))
     cache = ResponseCache(SQLiteStore(str(tmp_path / "cache.sqlite3"), 1000, real_embedder.dimensions), 3600)
     try:
         with running_server(engine, embedder=real_embedder, response_cache=cache, cache_config=ResponseCacheConfig(),
@@ -125,6 +127,14 @@ def test_an_adapters_cached_responses_are_its_own(folders, expected, real_embedd
             assert [status for status, _ in answers["tiny"]] == ["miss", "exact"]  # not qv's answer
             assert answers["qv"][0][1] == answers["qv"][1][1] and answers["tiny"][0][1] == answers["tiny"][1][1]
             assert answers["qv"][0][1] != answers["tiny"][0][1]
+            # the same files under another name share the entries, and the answer names the model asked
+            twin = client.post("/v1/completions", json={**body, "model": "twin"})
+            assert twin.headers["X-Brisk-Cache"] == "exact" and twin.json()["choices"][0]["text"] == answers["qv"][0][1]
+            assert twin.json()["model"] == "twin"
+            with client.stream("POST", "/v1/completions", json={**body, "model": "twin", "stream": True}) as streamed:
+                chunks = [json.loads(line[6:]) for line in streamed.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            assert chunks and {c["model"] for c in chunks} == {"twin"}
     finally:
         engine.shutdown()
 
