@@ -117,10 +117,13 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The output constraint broke mid-way (llguidance could go no further): the text so far does
+    # not satisfy it, and says so (vLLM's finish_reason "error"), instead of passing for a "stop".
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 @dataclass
@@ -228,8 +231,13 @@ class Request:
         """Stop conditions that need only token ids; stop strings are checked after detokenizing.
 
         EOS and stop ids do not count before min_tokens are out (the sampler also masks them).
-        A sequence whose grammar is complete stops: the grammar allows nothing more but EOS.
+        A sequence whose grammar is complete stops: the grammar allows nothing more but EOS. One
+        whose grammar broke ends with "error", whatever the token was (a broken grammar lets
+        only EOS through).
         """
+        if self.grammar is not None and self.grammar.failed:
+            self.status = RequestStatus.FINISHED_ERROR
+            return
         if self.num_output_tokens >= self.params.min_tokens:
             if not self.params.ignore_eos and token_id in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

@@ -15,7 +15,7 @@ import numpy as np
 
 @dataclass
 class FinishedRequestStats:
-    finish_reason: str  # "stop", "length" or "abort"
+    finish_reason: str  # "stop", "length", "abort" or "error" (RequestStatus)
     e2e_latency: float  # arrival -> finished, seconds
     queue_time: float | None  # arrival -> first scheduled; None if it never ran
     num_prompt_tokens: int

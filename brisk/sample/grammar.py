@@ -19,6 +19,7 @@ A sequence whose grammar is complete can only produce EOS, and the engine ends i
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from brisk.kernels.backend import KernelBackend
+
+logger = logging.getLogger("brisk.engine")
 
 # JSON is written without free whitespace between tokens: small models left a choice spend
 # their tokens on newlines and indentation, and the output is the same JSON value either way.
@@ -388,6 +391,15 @@ class Grammar:
         """The grammar is complete (nothing may follow) or broken: the sequence must end."""
         return self.matcher.is_stopped() or self.matcher.is_error()
 
+    @property
+    def failed(self) -> bool:
+        """Broken: llguidance could not go on (a limit of its lexer, a schema with no finite
+        instance); logged once, with its reason."""
+        if not self.matcher.is_error():
+            return False
+        logger.warning("an output constraint broke off: %s", self.matcher.get_error().splitlines()[0])
+        return True
+
 
 class GrammarCompiler:
     """Grammars for one tokenizer and vocabulary. `vocab_size` is the width of the model's
@@ -421,6 +433,11 @@ class GrammarCompiler:
             pristine = LLMatcher(self._tokenizer, key, log_level=0)
             if pristine.is_error():
                 raise ValueError(f"the grammar could not be compiled: {pristine.get_error()}")
+            first = pristine.deep_copy()  # its first mask, on a copy: a constraint no text satisfies fails here
+            first.compute_bitmask()
+            if first.is_error():
+                raise ValueError(f"the constraint matches no text the model can write: "
+                                 f"{first.get_error().splitlines()[0]}")
             self._compiled[key] = pristine
             if len(self._compiled) > _GRAMMAR_CACHE_SIZE:
                 self._compiled.popitem(last=False)

@@ -127,8 +127,9 @@ BYPASS, OFF = CacheLookup("bypass"), CacheLookup("off")
 
 
 def worth_storing(finals: list[RequestOutput]) -> bool:
-    """Every completion ended by itself (not aborted, not cut off by a departed client)."""
-    return all(f.finished and all(c.finish_reason not in (None, "abort") for c in f.outputs) for f in finals)
+    """Every completion ended by itself (not aborted, not cut off by a departed client, not a
+    broken output constraint)."""
+    return all(f.finished and all(c.finish_reason not in (None, "abort", "error") for c in f.outputs) for f in finals)
 
 
 async def lookup(caching: ResponseCaching | None, http: Request, request: Cacheable | None) -> CacheLookup:

@@ -24,6 +24,7 @@ from brisk.transport.client import EngineDeadError, QueueLoad
 from brisk.engine.adapters import ReadAdapter
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
+from brisk.sampling_params import SamplingError
 from brisk.engine.request import EngineRequest
 from brisk.engine.stats import EngineSnapshot, IterationStats
 
@@ -290,7 +291,10 @@ class EngineLoop:
             self.engine.add(command.request)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, the loop goes on
             request_id = command.request.request_id
-            logger.exception("request %s could not be added", request_id)
+            if isinstance(exc, SamplingError):  # the request's fault (its 400 says why): no traceback
+                logger.info("request %s refused: %s", request_id, exc)
+            else:
+                logger.exception("request %s could not be added", request_id)
             self.engine.abort_request(request_id)  # whatever part of it was registered
             step.errors[request_id] = exc
 

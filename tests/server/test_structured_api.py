@@ -83,11 +83,30 @@ def test_json_object_and_vllm_extras(client):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    # no character at all: found on the model's tokenizer, by the engine
+    ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "structured_outputs"),
 ])
 def test_constraints_that_cannot_work_are_a_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5, extra_body=extra)
     assert error.value.body["param"] == param
+
+
+def test_a_constraint_that_breaks_mid_way_ends_with_finish_reason_error(client):
+    """llguidance gives up on some constraints only while generating (a regex past its lexer's
+    limits, a schema whose every instance is infinite): the answer says "error", as vLLM's does,
+    instead of passing its partial text off as a "stop"; a plain answer beside it is untouched,
+    and nothing is cached."""
+    endless = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+               "$ref": "#/$defs/n"}
+    for extra in ({"guided_json": endless}, {"guided_regex": "((a{1000}){1000}){1000}"}):
+        for stream in (False, True):
+            response = client.completions.create(model="smollm2", prompt="Answer:", max_tokens=20, temperature=0,
+                                                 stream=stream, extra_body=extra)
+            reasons = [c.finish_reason for chunk in (response if stream else [response]) for c in chunk.choices]
+            assert reasons[-1] == "error", (extra, reasons)
+    plain = client.completions.create(model="smollm2", prompt="Answer:", max_tokens=5, temperature=0)
+    assert plain.choices[0].finish_reason == "length"
 
 
 def _calls_valid(calls, tools) -> list[str]:
