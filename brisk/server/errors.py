@@ -61,10 +61,14 @@ def _respond(error: APIError) -> JSONResponse:
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
+    # A field of several shapes (a prompt: text, texts, ids) fails once per shape; the limit it
+    # broke (129 prompts: "at most 128 items") says more than "should be a valid string".
+    errors = exc.errors()
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0]) if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body" and _FIELD.match(str(part))]
-    if first.get("type") == "json_invalid":
+    if first.get("type") == "json_invalid":  # its location is a character offset, not a field
         message = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        location = []
     elif first.get("type") == "extra_forbidden":
         message = (f"Unsupported field `{'.'.join(location)}`: brisk does not implement it, and ignoring it "
                    f"would silently change the answer (the README's 'Request fields' lists what is accepted).")

@@ -99,6 +99,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
         adapter = serving.check_model(body.model, caller(http).tenant)
+        body.check_logprobs()
         check_tools(body)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available with stream on chat completions (as in vLLM).",

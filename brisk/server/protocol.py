@@ -241,6 +241,12 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def check_logprobs(self) -> None:
+        """top_logprobs without logprobs would be dropped without a word: refused, as OpenAI and
+        vLLM refuse it."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingError("top_logprobs", "needs logprobs set to true")
+
 
 class CompletionRequest(SamplingFields):
     prompt: Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | list[int] | \
@@ -300,7 +306,7 @@ class GenerateBatchRequest(_Body):
 class LoadLoRAAdapterRequest(_Body):
     """vLLM's POST /v1/load_lora_adapter; load_inplace replaces an adapter of that name."""
 
-    lora_name: Annotated[Text, Field(min_length=1, max_length=256)]
+    lora_name: Annotated[Text, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]  # no control characters
     lora_path: Annotated[Text, Field(min_length=1)]
     load_inplace: bool = False
 

@@ -238,7 +238,7 @@ class Serving:
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the "
-                                f"{prompt_param} take {prompt_len}: no room is left for a completion.",
+                                f"{prompt_param} has {prompt_len}: no room is left for a completion.",
                            param=prompt_param, code="context_length_exceeded")
         if requested is None:
             return room

@@ -42,7 +42,6 @@ def complete(client: httpx.Client, prompt: str, **fields) -> httpx.Response:
 @pytest.mark.parametrize("ask, fields", [
     (chat, {"logprobs": True}),
     (chat, {"logprobs": True, "top_logprobs": 2}),
-    (chat, {"top_logprobs": 2}),
     (complete, {"logprobs": 0}),  # 0: the chosen tokens' logprobs, still about the tokens
     (complete, {"echo": True}),
     (complete, {"prompt_logprobs": 1}),

@@ -52,6 +52,7 @@ def _error(response: httpx.Response, status: int, param: str | None = None) -> d
     ({"messages": "hello"}, "messages"),
     ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": "word " * 2100}]}, "messages"),
+    ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
 ])
 def test_invalid_chat_requests_get_400(http, body, param):
     _error(http.post("/v1/chat/completions", json=body), 400, param)
@@ -64,7 +65,8 @@ def test_prompt_longer_than_the_context_is_rejected_for_completions(http):
 
 def test_malformed_json_gets_400(http):
     r = http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
-    assert "JSON" in _error(r, 400)["message"]
+    error = _error(r, 400)
+    assert "JSON" in error["message"] and error["param"] is None  # not the character offset
 
 
 def test_unknown_model_gets_404(http):

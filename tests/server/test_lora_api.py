@@ -93,6 +93,8 @@ def test_adapters_are_models_picked_by_the_model_field(folders, expected, engine
             assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_name"
             assert admin.post("/v1/load_lora_adapter",
                               json={"lora_name": "tiny", "lora_path": folders["mlp"]}).status_code == 400
+            control = admin.post("/v1/load_lora_adapter", json={"lora_name": "a\x00b", "lora_path": folders["mlp"]})
+            assert control.status_code == 400 and control.json()["error"]["param"] == "lora_name"
 
             metrics = admin.get("/metrics").text
             assert metric_values(metrics)['brisk:lora_generation_tokens_total{lora_name="mlp"}'] == 8
