@@ -213,6 +213,9 @@ class AdapterCap(WaitingQueue):
                 return victims[:count]
         return []
 
+    def memory_victim(self, running: list[Request], held: Callable[[Request], int]) -> Request:
+        return self.queue.memory_victim(running, held)
+
     def admission_order(self, running: list[Request]) -> Iterator[Request]:
         batch = {r.adapter for r in running if r.adapter is not None}
         for request in self.queue.admission_order(running):

@@ -324,6 +324,17 @@ def test_the_cap_takes_no_seat_for_a_request_it_would_not_admit():
     assert [r.request_id for r in cap.seat_victims(running, seats=2)] == ["a2"]  # "c" takes the newer one's seat
 
 
+def test_the_cap_leaves_memory_victims_to_its_policy():
+    """With LoRA on, the cap wraps the policy: under memory pressure the policy's victim goes
+    (here priority's worst-ranked, the oldest), not the newest."""
+    from brisk.engine.adapters import AdapterCap
+    from brisk.engine.waiting import PriorityQueue
+
+    running = [Request(rid, [1, 2], SamplingParams(), arrival_time=t, priority=p)
+               for rid, t, p in (("worst", 0.0, 9), ("best", 1.0, 0))]
+    assert AdapterCap(PriorityQueue(), max_loras=1).memory_victim(running, lambda r: 1).request_id == "worst"
+
+
 def test_drafts_are_verified_with_the_adapter_applied(served):
     """Speculative decoding (prompt lookup) on requests of an adapter: the output is the merged
     model's greedy output, drafts and all."""
