@@ -130,6 +130,10 @@ def cmd_batch(args: argparse.Namespace) -> None:
 
     if not os.path.isfile(args.input):
         raise ConfigError(f"no input file at {args.input}")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder) or os.path.isdir(args.output):  # found before the model loads, not after
+        raise ConfigError(f"the output {args.output} cannot be written: "
+                          + ("it is a folder" if os.path.isdir(args.output) else f"no folder {folder}"))
     report = run_batch_file(args.input, args.output, engine_config_from_args(args),
                             config_from_args(EmbeddingConfig, args), args.max_in_flight, progress=True,
                             batching=args.batching, batch_size=args.batch_size)

@@ -61,8 +61,8 @@ class LLM:
         batch_size in prompt order, each finishing before the next starts, as a padded batch
         runs), or `sorted` (the same groups, formed by prompt length). Afterwards
         `self.batch_metrics` describes the run."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (anything else than a list is refused naming `prompt`)
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
         if batch_size < 1:
@@ -83,8 +83,16 @@ class LLM:
         start, done = time.monotonic(), {}
         try:
             for group in groups:
-                ids = [self.engine.add_request(prompts[i], replace(params[i], output_kind=OutputKind.FINAL_ONLY),
-                                               lora_request=adapters[i], priority=priorities[i]) for i in group]
+                ids: list[str] = []
+                try:
+                    for i in group:
+                        ids.append(self.engine.add_request(prompts[i], replace(params[i],
+                                                                               output_kind=OutputKind.FINAL_ONLY),
+                                                           lora_request=adapters[i], priority=priorities[i]))
+                except BaseException:  # a refused prompt takes back those added before it: none runs later
+                    for request_id in ids:
+                        self.engine.abort_request(request_id)
+                    raise
                 done.update(zip(group, self._run(ids, bar)))
         finally:
             bar.close()
@@ -162,6 +170,9 @@ def _per_prompt(values, count: int, kind: type = SamplingParams) -> list:
         return [SamplingParams() if kind is SamplingParams else None] * count
     if isinstance(values, kind):
         return [values] * count
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, kind) or (v is None and kind is not SamplingParams) for v in values):
+        raise TypeError(f"expected a {kind.__name__} or a list of them, one per prompt; got {values!r:.80}")
     if len(values) != count:
         raise ValueError(f"got {len(values)} {kind.__name__} values for {count} prompts")
     return list(values)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 from brisk.sample.grammar import StructuredOutputs
@@ -20,6 +21,9 @@ REPETITION_PENALTY_RANGE = (0.01, 10.0)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # as vLLM and torch accept them; sampling uses the low 64 bits
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS_TOKENS = 300  # biases are applied per row and step: a whole-vocabulary dict cost 25 ms a row
+
+
+_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # None: unset
 
 
 class SamplingError(ValueError):
@@ -79,6 +83,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_strings = tuple(self.stop or ())
@@ -93,6 +98,31 @@ class SamplingParams:
         self._validate()
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
+
+    def _check_types(self) -> None:
+        """A Python caller's wrong type named by field (the server's bodies are typed already):
+        max_tokens=2.5 or temperature="hot" would otherwise fail later with a bare TypeError,
+        or run (2.5 tokens made 3)."""
+        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if not (value is None and name in _OPTIONAL) and (isinstance(value, bool)
+                                                               or not isinstance(value, numbers.Integral)):
+                raise SamplingError(name, f"must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise SamplingError(name, f"must be a number, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(name, f"must be true or false, got {getattr(self, name)!r}")
+        stop = self.stop
+        if not (stop is None or isinstance(stop, str)
+                or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop))):
+            raise SamplingError("stop", f"must be a string or a list of strings, got {stop!r}")
+        ids = self.stop_token_ids
+        if not (ids is None or (isinstance(ids, (list, tuple)) and all(
+                isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids))):
+            raise SamplingError("stop_token_ids", f"must be a list of token ids, got {ids!r}")
 
     def _validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

@@ -238,3 +238,14 @@ def test_the_command_exits_non_zero_until_every_line_succeeded(tiny, tmp_path):
     result = brisk_batch(a, _request("c", "/v1/completions", body), b)  # the line given its custom_id
     assert result.returncode == 0, result.stderr
     assert "1 answered" in result.stderr and "3 succeeded, 0 failed, 0 retriable left" in result.stderr
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path):
+    """A missing folder for the answers: a one-line error and a failing exit at once, not a traceback
+    after loading the model (no model is named here: loading one would be the failure)."""
+    path = tmp_path / "in.jsonl"
+    path.write_text(_request("a", "/v1/completions", {"prompt": "w3", "max_tokens": 1}) + "\n")
+    for out, message in ((tmp_path / "missing" / "out.jsonl", "no folder"), (tmp_path, "it is a folder")):
+        result = subprocess.run([sys.executable, "-m", "brisk.cli", "batch", str(path), str(out), "--model",
+                                 str(tmp_path / "no-model")], capture_output=True, text=True, timeout=120)
+        assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

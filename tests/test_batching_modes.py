@@ -10,6 +10,7 @@ import pytest
 from brisk import LLM, SamplingParams
 from brisk.batch import run_batch_file
 from brisk.config import EngineConfig
+from brisk.sampling_params import SamplingError
 from tests.conftest import build_tiny_checkpoint
 
 # Prompts of different lengths, not in length order; outputs of different lengths (max_tokens).
@@ -75,6 +76,18 @@ def test_bad_batching_is_refused(llm):
         with pytest.raises(ValueError, match="priority must be one int per prompt"):
             llm.generate(PROMPTS, PARAMS, priority=priority)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompts", [None, 123, [None], {"foo": "bar"}, [1.5, 2], {"prompt_token_ids": "abc"},
+                                     PROMPTS[:3] + [None]])
+def test_a_bad_prompt_is_named_and_leaves_nothing_behind(llm, prompts):
+    """Refused naming `prompt`, not a bare TypeError or KeyError; prompts added before the bad
+    one are taken back, so the next call runs only its own."""
+    with pytest.raises(SamplingError, match="prompt: must be a text, a list of token ids") as raised:
+        llm.generate(prompts, use_tqdm=False)
+    assert raised.value.param == "prompt" and not llm.engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="expected a SamplingParams"):
+        llm.generate(PROMPTS[:1], {"max_tokens": 3}, use_tqdm=False)
 
 
 def test_a_batch_file_runs_in_sorted_groups_with_the_same_answers(tmp_path):

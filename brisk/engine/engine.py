@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import random
 import time
@@ -229,13 +230,21 @@ class LLMEngine:
         return request.request_id
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt's text (if any) and ids; a SamplingError naming `prompt` for anything that is
+        not a text, a list of token ids or a dict of either (token ids are checked later)."""
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if ids is not None:
+                if isinstance(ids, (list, tuple)) and all(_is_id(t) for t in ids):
+                    return text, list(ids)
+            elif isinstance(text, str):
+                return text, self.tokenizer.encode(text)
+        elif isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(_is_id(t) for t in prompt):
+            return None, list(prompt)
+        raise SamplingError("prompt", "must be a text, a list of token ids, or a dict with `prompt` (a text) or "
+                                      f"`prompt_token_ids`; got {type(prompt).__name__} {str(prompt)[:60]!r}")
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
         """Each sequence walks its own copy of the request's compiled grammar."""
@@ -349,3 +358,7 @@ def _finished_stats(output: RequestOutput) -> FinishedRequestStats:
     reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
     return FinishedRequestStats.at(reasons[0] if reasons else "stop", m.finished_time, m.arrival_time,
                                    m.first_scheduled_time, len(output.prompt_token_ids), output.adapter)
+
+
+def _is_id(token: object) -> bool:
+    return isinstance(token, numbers.Integral) and not isinstance(token, bool)

@@ -307,8 +307,11 @@ class OpenAIServing:
             choice["text"] = self._prompt_text(body.prompts()[index // body.n], out) + text
             prompt_entries = self._echoed_prompt(out) if body.logprobs is not None else []
         if body.logprobs is not None and (logprobs is not None or prompt_entries):
+            # a BOS the tokenizer put before a text prompt is a token, but not in the echoed text
+            unseen = len(prompt_entries[0][0]) if prompt_entries and not choice["text"].startswith(
+                prompt_entries[0][0]) else 0
             choice["logprobs"] = _completion_logprobs(prompt_entries + [_chosen(e) for e in logprobs or []],
-                                                      body.logprobs)
+                                                      body.logprobs, unseen)
         if first and body.prompt_logprobs is not None and out.prompt_logprobs is not None:
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
         return choice
@@ -428,12 +431,15 @@ def _chosen(entry: TokenLogprobs) -> tuple[str, float | None, TokenLogprobs]:
     return chosen.decoded_token or "", chosen.logprob, entry
 
 
-def _completion_logprobs(positions: list[tuple[str, float | None, TokenLogprobs | None]], k: int) -> dict:
+def _completion_logprobs(positions: list[tuple[str, float | None, TokenLogprobs | None]], k: int,
+                         unseen: int = 0) -> dict:
     """OpenAI's completions shape: parallel lists of tokens, their logprobs, the top k at each
-    position (null where there is no prediction, i.e. the first prompt token) and text offsets."""
-    offsets, position = [], 0
+    position (null where there is no prediction, i.e. the first prompt token) and text offsets,
+    which index into the choice's text: `unseen` characters of the first token are not in it
+    (Gemma's <bos> before an echoed text prompt: it and the next token are both at 0)."""
+    offsets, position = [], -unseen
     for token, _, _ in positions:
-        offsets.append(position)
+        offsets.append(max(position, 0))
         position += len(token)
     return {"tokens": [token for token, _, _ in positions],
             "token_logprobs": [logprob for _, logprob, _ in positions],

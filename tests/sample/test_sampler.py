@@ -289,6 +289,9 @@ def test_no_logprob_tensors_unless_a_row_asks():
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0), ("top_k", -2),
     ("min_p", 1.5), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", -1), ("stop", [""]),
+    # wrong types, which a Python caller can pass (the server's bodies are typed): named, not a bare TypeError
+    ("max_tokens", 2.5), ("max_tokens", "3"), ("temperature", "hot"), ("temperature", None), ("seed", "abc"),
+    ("n", 2.0), ("stop", 5), ("stop", ["a", 1]), ("stop_token_ids", [1.5]), ("ignore_eos", 1), ("top_k", True),
 ])
 def test_invalid_params_raise_an_error_naming_the_field(field, value):
     with pytest.raises(SamplingError, match=field) as info:

@@ -73,6 +73,10 @@ def test_echo_with_logprobs_scores_the_prompt_and_the_answer(client):
     assert len(tokens) == reply.usage.prompt_tokens + reply.usage.completion_tokens
     assert logprobs[0] is None and all(lp <= 0 for lp in logprobs[1:])  # <bos> has nothing before it
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[1:])
+    # offsets index into the text, which has no <bos>: it and the prompt's first word are at 0
+    offsets = choice.logprobs.text_offset
+    assert tokens[0] == "<bos>" and offsets[:2] == [0, 0]
+    assert all(choice.text[offset:].startswith(token) for token, offset in zip(tokens[1:], offsets[1:]))
 
 
 def test_a_chat_is_rendered_with_the_template_given(client, url):
