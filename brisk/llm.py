@@ -21,8 +21,8 @@ from brisk.embed.embedder import Embedder, Embedding
 from brisk.engine.engine import LLMEngine, Prompt
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import BatchMetrics, StepSizes
-from brisk.model.tokenizer import Message
-from brisk.sampling_params import OutputKind, SamplingParams
+from brisk.model.tokenizer import Message, chat_messages
+from brisk.sampling_params import OutputKind, SamplingError, SamplingParams
 
 
 BATCHING_MODES = ("continuous", "static", "sorted")
@@ -118,7 +118,12 @@ class LLM:
              ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each rendered with the chat template
         (batching, batch_size and lora_request: as in generate)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        try:  # checked as the server checks a chat's JSON: a 400 there, a SamplingError here
+            conversations = [chat_messages(c) for c in conversations]
+        except (TypeError, ValueError) as exc:
+            raise SamplingError("messages", str(exc)) from None
         prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt),
                     "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt)}
                    for c in conversations]

@@ -11,6 +11,7 @@ import pytest
 from brisk import LLM, SamplingParams
 from brisk.model.loader import open_checkpoint
 from brisk.model.tokenizer import NoChatTemplateError
+from brisk.sampling_params import SamplingError
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import drop_chat_template
 
@@ -62,3 +63,21 @@ def test_a_chat_template_given_to_llm_renders_the_chat(folder):
     [output] = llm.chat([{"role": "user", "content": "w7 w8"}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert output.prompt == "<s> user w7 w8 <end_of_turn> <s> assistant"
     assert output.prompt_token_ids == [1, 0, 7, 8, END_OF_TURN, 1, 0]  # "user" and "assistant": <unk>
+
+
+def test_llm_chat_takes_and_refuses_messages_as_the_server_does(folder):
+    """OpenAI's text parts are joined and None is empty (the server's chat route does the same);
+    a message without a known role, or content of another shape, is a SamplingError naming
+    `messages`, not a template's error or a bare TypeError."""
+    llm = LLM(folder, dtype="float32", num_kv_blocks=64, max_model_len=128, chat_template=TURNS)
+    params = SamplingParams(max_tokens=1)
+    parts = [{"type": "text", "text": "w7 "}, {"type": "text", "text": "w8"}]
+    assert llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0].prompt == \
+        "<s> user w7 w8 <end_of_turn> <s> assistant"
+    assert llm.chat([{"role": "user", "content": None}], params, use_tqdm=False)[0].prompt == \
+        "<s> user  <end_of_turn> <s> assistant"
+    for bad in ([{"content": "w7"}], [{"role": "wizard", "content": "w7"}], "w7", [],
+                [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url"}]}]):
+        with pytest.raises(SamplingError, match="messages: ") as raised:
+            llm.chat(bad, params, use_tqdm=False)
+        assert raised.value.param == "messages"

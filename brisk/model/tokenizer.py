@@ -21,6 +21,35 @@ from tokenizers.decoders import DecodeStream
 from brisk.config import CHAT_TEMPLATE_EXTENSIONS, ConfigError
 
 Message = dict[str, Any]
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's (the server's ChatMessage takes these)
+
+
+def message_text(content: str | list | None) -> str:
+    """A message's content as the chat templates expect it: a text, or OpenAI's content parts
+    ({"type": "text", "text": ...}) joined, or none (empty)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part["text"] for part in content)
+
+
+def chat_messages(messages: object) -> list[Message]:
+    """A Python caller's conversation (OpenAI's message dicts) checked and put as the template
+    takes it, as the server takes its JSON: a known role, content a text, text parts or none.
+    Raises ValueError naming the message and what is wrong with it."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"a conversation is a non-empty list of message dicts, got {messages!r:.60}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise ValueError(f"message {i} must be a dict whose role is one of {', '.join(CHAT_ROLES)}; "
+                             f"got {message!r:.60}")
+        content = message.get("content")
+        parts = isinstance(content, (list, tuple)) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+        if not (content is None or isinstance(content, str) or parts):
+            raise ValueError(f"message {i}'s content must be a text or a list of text parts, got {content!r:.60}")
+        checked.append({**message, "content": message_text(content)})
+    return checked
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 # The special tokens generation ends at by their text alone, whatever a checkpoint declares: a

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from brisk.model.tokenizer import CHAT_ROLES, message_text
 from brisk.sample.grammar import StructuredOutputs
 from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
 
@@ -65,7 +66,7 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
@@ -74,7 +75,8 @@ class ChatMessage(_Body):
     @property
     def text(self) -> str:
         """Content parts are joined into one string, which is what the chat templates expect."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return message_text(self.content if isinstance(self.content, str) or self.content is None
+                            else [p.model_dump() for p in self.content])
 
 
 class FunctionDefinition(_Body):
