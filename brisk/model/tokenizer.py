@@ -22,6 +22,25 @@ from brisk.config import CHAT_TEMPLATE_EXTENSIONS, ConfigError
 
 Message = dict[str, Any]
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's (the server's ChatMessage takes these)
+SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# The special tokens generation ends at by their text alone, whatever a checkpoint declares: a
+# chat model ends its turn with one its files do not always list as EOS (Gemma's <end_of_turn>).
+# llama.cpp's list (llama-vocab.cpp: special_eog_ids, with its fill-in-the-middle pad, repo and
+# file-separator tokens). llama.cpp also takes a vocabulary's ordinary token of that text (and
+# makes it a control token), which would stop Gemma 3 at its HTML tag "</s>"; only special ones count here.
+END_OF_GENERATION_TOKENS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+)
+# llama.cpp's exceptions: a token that does not end generation where the others named are present
+# (gpt-oss and Solar Open end a turn's message with <|end|> and the turn with <|return|> or <|call|>;
+# Gemma 4 closes tool responses with </s>).
+_NOT_END_OF_GENERATION = (("<|end|>", ("<|return|>", "<|call|>")), ("<|end|>", ("<|calls|>", "<|flush|>")),
+                          ("</s>", ("<|tool_response>",)))
 
 
 def message_text(content: str | list | None) -> str:
@@ -50,25 +69,6 @@ def chat_messages(messages: object) -> list[Message]:
             raise ValueError(f"message {i}'s content must be a text or a list of text parts, got {content!r:.60}")
         checked.append({**message, "content": message_text(content)})
     return checked
-SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
-
-# The special tokens generation ends at by their text alone, whatever a checkpoint declares: a
-# chat model ends its turn with one its files do not always list as EOS (Gemma's <end_of_turn>).
-# llama.cpp's list (llama-vocab.cpp: special_eog_ids, with its fill-in-the-middle pad, repo and
-# file-separator tokens). llama.cpp also takes a vocabulary's ordinary token of that text (and
-# makes it a control token), which would stop Gemma 3 at its HTML tag "</s>"; only special ones count here.
-END_OF_GENERATION_TOKENS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
-    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
-    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
-)
-# llama.cpp's exceptions: a token that does not end generation where the others named are present
-# (gpt-oss and Solar Open end a turn's message with <|end|> and the turn with <|return|> or <|call|>;
-# Gemma 4 closes tool responses with </s>).
-_NOT_END_OF_GENERATION = (("<|end|>", ("<|return|>", "<|call|>")), ("<|end|>", ("<|calls|>", "<|flush|>")),
-                          ("</s>", ("<|tool_response>",)))
 
 
 def end_of_generation_ids(backend: tokenizers.Tokenizer, declared: Iterable[int | None]) -> list[int]:
