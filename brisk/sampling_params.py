@@ -26,6 +26,11 @@ MAX_LOGIT_BIAS_TOKENS = 300  # biases are applied per row and step: a whole-voca
 _OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # None: unset
 
 
+def is_int(value: object) -> bool:
+    """An integer a Python caller may pass (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class SamplingError(ValueError):
     """An invalid sampling parameter; the message names the field."""
 
@@ -105,8 +110,7 @@ class SamplingParams:
         or run (2.5 tokens made 3)."""
         for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if not (value is None and name in _OPTIONAL) and (isinstance(value, bool)
-                                                               or not isinstance(value, numbers.Integral)):
+            if not (value is None and name in _OPTIONAL) and not is_int(value):
                 raise SamplingError(name, f"must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
@@ -120,8 +124,7 @@ class SamplingParams:
                 or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop))):
             raise SamplingError("stop", f"must be a string or a list of strings, got {stop!r}")
         ids = self.stop_token_ids
-        if not (ids is None or (isinstance(ids, (list, tuple)) and all(
-                isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids))):
+        if not (ids is None or (isinstance(ids, (list, tuple)) and all(is_int(i) for i in ids))):
             raise SamplingError("stop_token_ids", f"must be a list of token ids, got {ids!r}")
 
     def _validate(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import os
 import random
 import time
@@ -33,7 +32,7 @@ from brisk.engine.step_hook import NoStepHook, StepHook
 from brisk.engine.waiting import waiting_queue
 from brisk.model.loader import kernels_name, load_model, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.sample.grammar import Grammar, GrammarCompiler
-from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.sampling_params import SamplingError, SamplingParams, is_int
 
 Prompt = str | list[int] | dict
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -235,13 +234,13 @@ class LLMEngine:
         if isinstance(prompt, dict):
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if ids is not None:
-                if isinstance(ids, (list, tuple)) and all(_is_id(t) for t in ids):
+                if isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids):
                     return text, list(ids)
             elif isinstance(text, str):
                 return text, self.tokenizer.encode(text)
         elif isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(_is_id(t) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             return None, list(prompt)
         raise SamplingError("prompt", "must be a text, a list of token ids, or a dict with `prompt` (a text) or "
                                       f"`prompt_token_ids`; got {type(prompt).__name__} {str(prompt)[:60]!r}")
@@ -358,7 +357,3 @@ def _finished_stats(output: RequestOutput) -> FinishedRequestStats:
     reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
     return FinishedRequestStats.at(reasons[0] if reasons else "stop", m.finished_time, m.arrival_time,
                                    m.first_scheduled_time, len(output.prompt_token_ids), output.adapter)
-
-
-def _is_id(token: object) -> bool:
-    return isinstance(token, numbers.Integral) and not isinstance(token, bool)

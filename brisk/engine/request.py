@@ -9,6 +9,7 @@ a decode and a recompute after preemption are all the same operation.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from brisk.kernels.lora import AdapterWeights
 from brisk.sample.grammar import Grammar
 from brisk.sampling_params import SamplingError, SamplingParams
 
+logger = logging.getLogger("brisk.engine")
 FLOAT32_MAX = 3.4028234663852886e38  # a LoRA update's scale is applied in float32
 
 
@@ -235,7 +237,8 @@ class Request:
         whose grammar broke ends with "error", whatever the token was (a broken grammar lets
         only EOS through).
         """
-        if self.grammar is not None and self.grammar.failed:
+        if self.grammar is not None and (error := self.grammar.error) is not None:
+            logger.warning("request %s: its output constraint broke off: %s", self.request_id, error)
             self.status = RequestStatus.FINISHED_ERROR
             return
         if self.num_output_tokens >= self.params.min_tokens:

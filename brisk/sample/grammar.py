@@ -19,7 +19,6 @@ A sequence whose grammar is complete can only produce EOS, and the engine ends i
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -33,8 +32,6 @@ from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from brisk.kernels.backend import KernelBackend
-
-logger = logging.getLogger("brisk.engine")
 
 # JSON is written without free whitespace between tokens: small models left a choice spend
 # their tokens on newlines and indentation, and the output is the same JSON value either way.
@@ -392,13 +389,10 @@ class Grammar:
         return self.matcher.is_stopped() or self.matcher.is_error()
 
     @property
-    def failed(self) -> bool:
-        """Broken: llguidance could not go on (a limit of its lexer, a schema with no finite
-        instance); logged once, with its reason."""
-        if not self.matcher.is_error():
-            return False
-        logger.warning("an output constraint broke off: %s", self.matcher.get_error().splitlines()[0])
-        return True
+    def error(self) -> str | None:
+        """Why llguidance could not go on (a limit of its lexer, a schema with no finite
+        instance), if it broke: the first line of its report."""
+        return self.matcher.get_error().splitlines()[0] if self.matcher.is_error() else None
 
 
 class GrammarCompiler:

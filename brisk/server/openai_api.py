@@ -157,13 +157,13 @@ class OpenAIServing:
         if prompt_ids is not None:
             response["usage"] = _usage_counts(len(prompt_ids), response["usage"]["completion_tokens"], 0)
         if body.stream:
-            return sse(stream_events(body, response), cached.headers)
+            return sse(stream_events(body, response, reply), cached.headers)
         return JSONResponse(response, headers=cached.headers)
 
-    async def _replay_chat(self, body: ChatCompletionRequest, response: dict) -> AsyncIterator[dict]:
+    async def _replay_chat(self, body: ChatCompletionRequest, response: dict, reply: _Reply) -> AsyncIterator[dict]:
         """A cached chat completion as the chunks a live one streams: the role, then each
         choice's whole content (and tool calls) in one delta, then usage if asked."""
-        chunk = self._chunker(body, "chat.completion.chunk", _Reply(response["id"], response["created"], response["model"]))
+        chunk = self._chunker(body, "chat.completion.chunk", reply)
         yield chunk([{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for c in response["choices"]])
         for c in response["choices"]:
@@ -176,8 +176,8 @@ class OpenAIServing:
         if body.include_usage:
             yield chunk([], response["usage"])
 
-    async def _replay_completion(self, body: CompletionRequest, response: dict) -> AsyncIterator[dict]:
-        chunk = self._chunker(body, "text_completion", _Reply(response["id"], response["created"], response["model"]))
+    async def _replay_completion(self, body: CompletionRequest, response: dict, reply: _Reply) -> AsyncIterator[dict]:
+        chunk = self._chunker(body, "text_completion", reply)
         for c in response["choices"]:
             yield chunk([c])
         if body.include_usage:

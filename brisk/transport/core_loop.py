@@ -24,9 +24,9 @@ from brisk.transport.client import EngineDeadError, QueueLoad
 from brisk.engine.adapters import ReadAdapter
 from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
-from brisk.sampling_params import SamplingError
 from brisk.engine.request import EngineRequest
 from brisk.engine.stats import EngineSnapshot, IterationStats
+from brisk.sampling_params import SamplingError
 
 logger = logging.getLogger("brisk.engine")
 
@@ -172,10 +172,11 @@ class EngineLoop:
     """Owns the engine: after construction only `run()`'s thread may touch it (a Prepare's
     prepare, on a thread of its own, reads only what stays fixed).
 
-    A request for a LoRA adapter that max_cpu_loras dropped from memory waits, parked, while a
-    thread of its own reads the adapter's files again; the loop steps on meanwhile, and later
-    requests for the same adapter wait for the same read (reading on the loop stalled every
-    stream for as long as the files took)."""
+    A request for a LoRA adapter whose files must be read first (max_cpu_loras dropped it from
+    memory, or the request names the files of one this engine does not serve yet) waits, parked,
+    while a thread of its own reads them; the loop steps on meanwhile, and later requests for the
+    same adapter wait for the same read (reading on the loop stalled every stream for as long as
+    the files took)."""
 
     def __init__(self, engine: LLMEngine, inbox: Inbox, outbox: Outbox):
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
@@ -258,7 +259,7 @@ class EngineLoop:
             then = functools.partial(_raise, RuntimeError(f"preparing the call failed: {exc!r}"))
         self.inbox.post(Call(command.call_id, then))
 
-    def _read_again(self, name: str, path: str) -> None:
+    def _read_adapter(self, name: str, path: str) -> None:
         """On the reading thread: the adapter's files, back to the loop (None if reading failed:
         the parked requests are added all the same, and the engine names the error to each)."""
         try:
@@ -282,7 +283,7 @@ class EngineLoop:
         if adapter is not None:
             name, path = adapter
             if name not in self._parked:
-                threading.Thread(target=self._read_again, args=(name, path), name="brisk-read-adapter",
+                threading.Thread(target=self._read_adapter, args=(name, path), name="brisk-read-adapter",
                                  daemon=True).start()
             self._parked.setdefault(name, []).append(command)
             return
