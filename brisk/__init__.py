@@ -1,5 +1,9 @@
 """brisk: an efficient LLM inference engine and server."""
 
+from brisk.kernels import isa
+
+isa.configure_torch()  # BRISK_ISA caps torch's kernels too, before its first operation (kernels/isa.py)
+
 from brisk.config import EngineConfig
 from brisk.embed.embedder import Embedder, Embedding
 from brisk.engine.adapters import LoRARequest

@@ -21,6 +21,7 @@ from brisk.config import (EMBEDDING_BACKENDS, ClusterConfig, ConfigError, Embedd
                           ResponseCacheConfig, ServerConfig)
 from brisk.transport.client import EngineClient
 from brisk.engine.engine import LLMEngine
+from brisk.kernels import isa
 from brisk.llm import BATCHING_MODES
 from brisk.quant.formats import GROUP_SIZES
 from brisk.quant.modules import LOAD_TIME_METHODS
@@ -277,6 +278,11 @@ def _start_engine(config: EngineConfig, server_config: ServerConfig) -> EngineCl
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brisk", description="Fast LLM inference: generate, chat, benchmark.")
+    parser.add_argument("--isa", choices=tuple(isa.INSTRUCTION_SETS), default=None,
+                        help=f"Instruction set to target, for this command and the processes it starts (as {isa.ENV}): "
+                             "native (the default: the host's own) or avx2 (as on a CPU with AVX2, FMA and F16C and "
+                             "nothing newer, on any host that has them: kernels built for x86-64-v3, torch capped at "
+                             "AVX2, bf16 not taken as native)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt, streaming to the terminal")
@@ -396,8 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("brisk").setLevel(logging.INFO)
     try:
         args = parse_args(build_parser(), argv)
+        if args.isa is not None:
+            isa.choose(args.isa)
         args.func(args)
-    except (ConfigError, SamplingError) as exc:  # raised before any work starts
+    except (ConfigError, SamplingError, isa.InstructionSetError) as exc:  # raised before any work starts
         print(f"brisk: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.config import ServerConfig
+from brisk.kernels import isa
 
 # The instruction-set flags that decide which kernels run (DESIGN.md: detect, never assume).
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
@@ -91,6 +92,7 @@ def machine() -> str:
     flags = set(cpu.get("flags", "").split())
     present = " ".join(f for f in _FLAGS if f in flags) or "none of " + " ".join(_FLAGS)
     return (f"CPU: {cpu.get('model name', 'unknown')}{_generation(cpu)}, {os.cpu_count()} cores; flags: {present}; "
+            f"brisk's instruction set: {isa.chosen().describe()}; "
             f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}")
 
 

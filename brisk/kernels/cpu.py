@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from brisk.kernels import isa
 from brisk.kernels.backend import ACTIVATIONS, KernelBackend, TargetLogprobs, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.kernels.lora import LoRABatch, LoRAUpdate, table_index
@@ -85,13 +86,15 @@ def _cache_dir() -> Path:
 
 
 @cache
-def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march: str = "native") -> ctypes.CDLL | None:
-    """The kernel library for this source, built for the host CPU (march "native"); tests build
-    others ("x86-64-v3": the AVX2 + FMA path, "x86-64": the portable C path) to compare them.
-    None where the host has no C compiler; raises KernelBuildError where the build fails."""
+def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library for this source, built for the instruction set the process targets
+    (kernels/isa.py: the host's, "native", unless BRISK_ISA says otherwise); tests build others
+    ("x86-64-v3": the AVX2 + FMA path, "x86-64": the portable C path) to compare them. None
+    where the host has no C compiler; raises KernelBuildError where the build fails."""
     compiler = _compiler()
     if compiler is None:
         return None
+    march = march or isa.chosen().march
     source = _HERE / source_name
     flags = [*_FLAGS, f"-march={march}", *(f"-D{name}={value}" for name, value in defines)]
     headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))
@@ -136,25 +139,14 @@ def _native_target(compiler: str) -> str:
             return " ".join(sorted(f for f in expanded[0].split() if f.startswith(("-march", "-m"))))
     except (OSError, subprocess.SubprocessError):
         pass
-    return _cpu_flags()
-
-
-@cache
-def _cpu_flags() -> str:
-    """The CPU's feature flags from /proc/cpuinfo (Linux), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-    return " ".join(sorted(line.partition(":")[2].split()))
+    return " ".join(sorted(isa.host_flags()))
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it bf16 matmuls
-    run about 5x slower than fp32 (measured on our AVX2 machines), so fp32 is the fast dtype."""
-    flags = set(_cpu_flags().split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as the instruction set the
+    process targets sees it. Without it bf16 matmuls run about 5x slower than fp32 (measured on
+    our AVX2 machines), so fp32 is the fast dtype."""
+    return bool(isa.cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
@@ -457,7 +449,7 @@ class KernelWeight:
         return cls(struct, [t for p in parts for t in p._tensors], table)
 
 
-def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native",
+def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str | None = None,
                  lora: LoRAUpdate | None = None) -> torch.Tensor:
     """x [m, cols] float32 @ weight^T (+ bias) -> float32 [m, rows], plus with `lora` (packed
     adapters) the step's adapters' update, in the same call. march: see _library."""
@@ -471,7 +463,7 @@ def quant_linear(x: torch.Tensor, weight: KernelWeight, march: str = "native",
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, projection: str,
-             march: str = "native") -> None:
+             march: str | None = None) -> None:
     """In place on float32 y [m, n]: each adapter's update of one projection of one layer added to
     its rows, for float32 x [m, k] (lora.h). march: see _library."""
     assert y.is_contiguous() and lora.packed
@@ -481,7 +473,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, proj
            "lora_add")
 
 
-def lora_bf16_products(march: str = "native") -> bool:
+def lora_bf16_products(march: str | None = None) -> bool:
     """Whether the LoRA kernels built for `march` multiply bfloat16 adapters' A by activations
     rounded to bfloat16 (as PEFT's bf16 layers take them) rather than in float32 (lora.h)."""
     return bool(ctypes.c_int.in_dll(_library("lora.c", march=march), "lora_bf16_products").value)

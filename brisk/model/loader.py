@@ -20,6 +20,7 @@ import tokenizers
 import torch
 
 from brisk.config import DTYPES, ConfigError, EngineConfig
+from brisk.kernels import isa
 from brisk.kernels.backend import KernelBackend, choose_backend, fast_dtype
 from brisk.kernels.memory import move_to_huge_pages
 from brisk.kernels.packed import GGUF_BLOCK_BYTES, GROUPED_FORMATS, QuantizedTensor
@@ -208,9 +209,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def kernels_name(kernels: KernelBackend, device: torch.device) -> str:
     """The kernel backend as reports name it: its class, and the hardware it was chosen for
-    ("CBackend (CPU capability AVX512)", "TritonBackend (NVIDIA H100 80GB HBM3)")."""
+    ("CBackend (instruction set native (-march=native: AVX-512 + VNNI + BF16), torch AVX512)",
+    "TritonBackend (NVIDIA H100 80GB HBM3)")."""
     if device.type == "cpu":
-        where = f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+        where = f"instruction set {isa.chosen().describe()}, torch {torch.backends.cpu.get_cpu_capability()}"
     else:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return f"{type(kernels).__name__} ({where})"

@@ -8,6 +8,7 @@ import torch
 
 from brisk import config
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels import isa
 from brisk.kernels.backend import KernelBackend, choose_backend, fast_dtype
 from brisk.kernels.kv_cache import KV_CACHE_DTYPES
 from brisk.kernels.packed import GROUP_SIZES
@@ -33,7 +34,7 @@ def test_each_device_gets_its_backend():
     ("avx2 amx_bf16 amx_tile", torch.bfloat16),  # Sapphire Rapids' AMX
 ])
 def test_the_fast_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch, flags, expected):
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)  # the host, not a kernel choice
+    monkeypatch.setattr(isa, "host_flags", lambda: frozenset(flags.split()))  # the host, not a kernel choice
     assert fast_dtype(torch.device("cpu")) == expected
     assert fast_dtype(torch.device("cuda")) == torch.bfloat16
 

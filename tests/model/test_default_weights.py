@@ -20,6 +20,7 @@ import torch
 from brisk import LLM
 from brisk.config import DEFAULT_TEXT
 from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels import isa
 from brisk.model.loader import DEFAULT_MODEL_FILE
 from brisk.quant.modules import QuantizedWeight
 from brisk.transport.client import ModelInfo
@@ -36,7 +37,8 @@ def test_auto_says_what_it_chose_and_hashes_as_its_explicit_flags(real_model_pat
     [line] = [r.getMessage() for r in caplog.records if r.name == "brisk.engine"]
     kernels = type(auto.engine.model.kernels).__name__
     assert line.startswith(f"loaded {DEFAULT_MODEL_FILE} (llama): weights gguf+a8: the file's Q4_1+Q8_0 blocks, "
-                           f"int8 activations; dtype float32; kernels {kernels} (CPU capability ")
+                           f"int8 activations; dtype float32; kernels {kernels} (instruction set "
+                           f"{isa.chosen().describe()}, torch ")
     explicit = LLM(real_model_path, dtype="float32", quantization="gguf", int8_activations=True, **SMALL)
     auto_info, explicit_info, none_info = (ModelInfo.of(llm.engine) for llm in (auto, explicit, real_llm))
     assert (auto_info.runtime_quantization, auto_info.weight_mode) == ("gguf", "gguf+a8")

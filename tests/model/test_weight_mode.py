@@ -13,7 +13,7 @@ import torch
 from brisk import LLM
 from brisk.config import ConfigError, EngineConfig
 from brisk.model import loader
-from brisk.kernels import cpu as cpu_kernels
+from brisk.kernels import isa
 from brisk.model.loader import Checkpoint, Precision, WeightMode, resolve_precision, resolve_weight_mode
 from brisk.quant.checkpoint import QuantizedLayout
 from brisk.transport.client import ModelInfo
@@ -48,7 +48,7 @@ def test_the_files_blocks_run_float32_activations_over_a_16_bit_cache(monkeypatc
     """As llama.cpp: the blocks hold the weights, activations are float32, the cache 16-bit (bf16
     where the CPU multiplies it); an explicit dtype or cache kind stands, and floats follow the
     fast dtype, their cache the dtype."""
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(isa, "host_flags", lambda: frozenset(flags.split()))
     fast = torch.bfloat16 if sixteen_bits == "bfloat16" else torch.float32
     blocks = _gguf("Q4_1", "Q8_0")
     assert resolve_precision(EngineConfig(), blocks, CPU) == Precision(torch.float32, sixteen_bits)

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from brisk.kernels import isa
 from brisk.transport.async_engine import AsyncEngine
 from tests.helpers import metric_values
 from tests.server.conftest import running_server
@@ -79,7 +80,8 @@ def test_model_info(http):
     assert info["parameters"] == 134_515_008 and info["dtype"] == "float32"
     assert info["quantization"] == "Q4_1+Q8_0 in the file, dequantized to float32" and info["kv_block_size"] == 16
     assert (info["runtime_quantization"], info["weight_mode"]) == (None, "float32 (dequantized)")  # quantization none
-    assert info["kernels"].startswith(("CBackend (CPU capability ", "KernelBackend (CPU capability "))
+    assert info["kernels"].startswith(tuple(f"{backend} (instruction set {isa.chosen().describe()}, torch "
+                                            for backend in ("CBackend", "KernelBackend")))
     assert info["kv_cache_dtype"] == info["dtype"]  # auto: the model's dtype
     assert info["max_model_len"] == 2048 and info["num_kv_blocks"] > 0 and info["max_num_seqs"] == 64
 
