@@ -91,24 +91,52 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _num_kv_blocks(self) -> int:
-        c = self.config
+        """The pool's size in blocks, stated in the log in tokens and bytes. Where it cannot hold
+        one sequence of the model's own context and max_model_len was not set, max_model_len is
+        lowered to what it holds, with a warning naming both (a configuration that sets only the
+        pool's size, or nothing, starts on every host whatever its KV dtype); a max_model_len the
+        user set that does not fit is an error."""
+        c, s = self.config, self.hparams
+        # a block holds its tokens for one group's layers (KVLayout.positions of them)
+        bytes_per_token = kv_bytes_per_token(self.kv_cache_kind, self.kv_layout.positions, s.num_kv_heads, s.head_dim)
         if c.num_kv_blocks is not None:  # blocks of every layer; the pool's blocks hold one group's layers
-            num_blocks = c.num_kv_blocks * self.hparams.num_layers // self.kv_layout.positions
-        else:
-            s = self.hparams
-            # a block holds its tokens for one group's layers (KVLayout.positions of them)
-            bytes_per_token = kv_bytes_per_token(self.kv_cache_kind, self.kv_layout.positions,
-                                                 s.num_kv_heads, s.head_dim)
-            # less one: the pool's scratch block (engine/runner.py) comes out of the same budget
+            num_blocks = c.num_kv_blocks * s.num_layers // self.kv_layout.positions
+        else:  # less one: the pool's scratch block (engine/runner.py) comes out of the same budget
             num_blocks = int(self._kv_cache_bytes() // (bytes_per_token * c.block_size)) - 1
-        chunk = c.max_num_batched_tokens if c.enable_chunked_prefill else self.max_model_len  # a prompt's widest step
-        needed = self.kv_layout.max_blocks(self.max_model_len, chunk, c.block_size)
+        needed = self._blocks_for(self.max_model_len)
         if num_blocks < needed:
-            raise ConfigError(
-                f"the KV cache holds {max(num_blocks, 0)} blocks of {c.block_size} tokens, fewer than one sequence of "
-                f"max_model_len={self.max_model_len} needs ({needed}): raise kv_cache_memory_gib / "
-                f"gpu_memory_utilization / num_kv_blocks or lower max_model_len")
+            fits = self._longest_fitting(num_blocks)
+            if c.max_model_len is not None or fits == 0:
+                raise ConfigError(
+                    f"the KV cache holds {max(num_blocks, 0)} blocks of {c.block_size} tokens, fewer than one sequence "
+                    f"of max_model_len={self.max_model_len} needs ({needed}): raise kv_cache_memory_gib / "
+                    f"gpu_memory_utilization / num_kv_blocks or lower max_model_len")
+            logger.warning("the KV cache (%d blocks of %d tokens, %s) cannot hold one sequence of the model's context "
+                           "of %d tokens: max_model_len lowered to %d; raise kv_cache_memory_gib for more",
+                           num_blocks, c.block_size, self.kv_cache_kind, self.max_model_len, fits)
+            self.max_model_len = fits
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens of every layer), %s, %.2f GiB; max_model_len %d",
+                    num_blocks, c.block_size, num_blocks * c.block_size * self.kv_layout.positions // s.num_layers,
+                    self.kv_cache_kind, num_blocks * c.block_size * bytes_per_token / 2**30, self.max_model_len)
         return num_blocks
+
+    def _blocks_for(self, max_len: int) -> int:
+        """Blocks one sequence of up to max_len tokens can hold at once (KVLayout.max_blocks)."""
+        c = self.config
+        chunk = c.max_num_batched_tokens if c.enable_chunked_prefill else max_len  # a prompt's widest step
+        return self.kv_layout.max_blocks(max_len, chunk, c.block_size)
+
+    def _longest_fitting(self, num_blocks: int) -> int:
+        """The longest max_model_len whose sequence fits in num_blocks, a whole number of blocks
+        (0 where none does)."""
+        low, high = 0, self.max_model_len // self.config.block_size  # in blocks: needs grow with the length
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._blocks_for(mid * self.config.block_size) <= num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low * self.config.block_size
 
     def _kv_cache_bytes(self) -> float:
         """kv_cache_memory_gib; by default 1 GiB on CPU, and on a GPU its gpu_memory_utilization

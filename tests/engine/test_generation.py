@@ -3,6 +3,8 @@ ids, n > 1, length limits, logprobs against transformers, aborts, and input erro
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -198,3 +200,31 @@ def test_a_request_checked_at_the_edge_enters_the_core_as_it_is(real_llm):
     expected = _one(real_llm, {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=5))
     assert (output.prompt, output.outputs[0].token_ids) == ("The capital of France is", expected.outputs[0].token_ids)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # float32's cache: what a host without BF16 gets dequantized
+def test_a_pool_too_small_for_the_models_context_lowers_max_model_len_and_says_so(real_model_path, dtype, caplog):
+    """The model's context is 8,192 tokens; a pool that holds fewer starts with max_model_len
+    lowered to whole blocks that fit (warned, both numbers named), and holds to it; a
+    max_model_len the user set that does not fit is refused."""
+    from brisk import LLM
+    from brisk.config import ConfigError
+
+    with caplog.at_level(logging.INFO, logger="brisk.engine"):
+        llm = LLM(real_model_path, dtype=dtype, quantization="none", kv_cache_memory_gib=0.05, max_num_batched_tokens=64)
+    engine = llm.engine
+    assert engine.hparams.max_position_embeddings == 8192
+    blocks, size = engine.kv.num_blocks, engine.config.block_size
+    assert engine.max_model_len == blocks * size < 8192  # one group of full attention: a block per 16 tokens
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"context of 8192 tokens: max_model_len lowered to {engine.max_model_len}" in warning
+    [stated] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache: ")]
+    assert stated.startswith(f"KV cache: {blocks} blocks of {size} tokens ({blocks * size} tokens of every layer), ")
+    assert stated.endswith(f"max_model_len {engine.max_model_len}")
+    with pytest.raises(SamplingError, match=f"the model's context is {engine.max_model_len}, leaving no room"):
+        llm.generate({"prompt_token_ids": [1] * engine.max_model_len}, SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [1] * (engine.max_model_len - 8)}, SamplingParams(max_tokens=8,
+                       ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    with pytest.raises(ConfigError, match="fewer than one sequence of max_model_len=8192 needs"):
+        LLM(real_model_path, dtype=dtype, quantization="none", kv_cache_memory_gib=0.05, max_model_len=8192)
