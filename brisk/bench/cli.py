@@ -220,6 +220,7 @@ def add_bench_parser(sub) -> None:
     tn.set_defaults(func=_main_of("brisk.bench.tenants"))
 
     _add_compare_parser(kinds)
+    _add_scale_parser(kinds)
 
     cl = kinds.add_parser("cluster", help="2 replicas on Ray Serve (prefix-aware and round-robin routing) vs one "
                                           "process with both threads, on a shared-prefix chat workload")
@@ -252,6 +253,30 @@ def add_bench_parser(sub) -> None:
                     help=f"run only these, keeping the others in the file: {', '.join(s.name for s in SECTIONS)}")
     rp.add_argument("--output", default="BENCHMARKS.md")
     rp.set_defaults(func=_main_of("brisk.bench.report"))
+
+
+def _add_scale_parser(kinds) -> None:
+    from brisk.bench.scale import BUILDS, ROWS
+
+    sc = kinds.add_parser("scale", help="brisk beside llama.cpp at 1.7B and 8B (random bodies at real shapes) and on "
+                                        "Gemma 3 at 32k, native and AVX2 builds, with the host's limits")
+    sc.add_argument("--models", nargs="+", default=["1.7b:Q4_K_M", "8b:Q4_K_M", "gemma"], metavar="MODEL",
+                    help="SHAPE:TYPE (shapes 1.7b, 8b; types Q4_K_M, Q4_0, Q8_0, written under data/shapes/ and "
+                         "quantized by make llama-cpp's llama-quantize the first time), gemma (its single and long "
+                         "rows), or a GGUF file's path (every row)")
+    sc.add_argument("--builds", nargs="+", default=list(BUILDS), metavar="BUILD",
+                    help="native (make llama-cpp) and avx2 (BRISK_ISA=avx2 beside make llama-cpp-avx2)")
+    sc.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, metavar="ROW", help=", ".join(ROWS))
+    sc.add_argument("--repeats", type=int, default=3, help="runs of the repeated rows (single, pp512, start)")
+    sc.add_argument("--sequences", type=int, default=32, help="sequences of the batched rows, 1.7B")
+    sc.add_argument("--big-sequences", type=int, default=8, help="sequences of the batched rows, 8B")
+    sc.add_argument("--long-tokens", type=int, default=8000, help="the long row's prompt, 1.7B")
+    sc.add_argument("--gemma-long-tokens", type=int, default=32000, help="the long row's prompt, Gemma 3")
+    sc.add_argument("--threads", type=int, default=None, help="threads of both engines; default: all cores")
+    sc.add_argument("--llama-cpp-dirs", nargs="+", default=None, metavar="BUILD=DIR",
+                    help="llama.cpp's programs for a build; default: native=build/llama.cpp/bin "
+                         "avx2=build/llama.cpp-avx2/bin")
+    sc.set_defaults(func=_main_of("brisk.bench.scale"))
 
 
 def _add_compare_parser(kinds) -> None:

@@ -61,7 +61,10 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "decode_layers": [_PTR] * 4,
     "quant_linear": [_PTR] * 3 + [_I64, _PTR, _I64],
     "lora_add": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
+    "read_words": [_PTR, _I64, _I64, _PTR],
+    "int8_dot_peak": [_I64, _PTR, _PTR],
 }
+_DOUBLE_KERNELS = frozenset({"read_words", "int8_dot_peak"})  # limits.c's: they return seconds
 # The kernels that allocate scratch return a kernel_status (kernels/status.h, checked by _check);
 # the others return void. tests/kernels/test_abi.py holds both tables to the C declarations.
 _STATUS_KERNELS = frozenset({"paged_decode_attention", "paged_prefill_attention", "decode_layers", "quant_linear",
@@ -112,7 +115,8 @@ def _library(source_name: str, defines: tuple[tuple[str, int], ...] = (), march:
             symbol = getattr(lib, symbol_name, None)
             if symbol is not None:
                 symbol.argtypes = argtypes
-                symbol.restype = ctypes.c_int if name in _STATUS_KERNELS else None
+                symbol.restype = (ctypes.c_int if name in _STATUS_KERNELS else ctypes.c_double if name in _DOUBLE_KERNELS
+                                  else None)
     return lib
 
 

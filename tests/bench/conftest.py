@@ -67,7 +67,7 @@ import json, sys
 from pathlib import Path
 
 (Path(__file__).parent / "bench-args.json").write_text(json.dumps(sys.argv[1:]))
-print(json.dumps([{"avg_ts": 123.4, "stddev_ts": 1.5}]))
+print(json.dumps([{"avg_ts": 123.4, "stddev_ts": 1.5, "samples_ts": [126.8, 120.0, 123.4]}]))
 '''
 
 
