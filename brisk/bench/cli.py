@@ -260,7 +260,7 @@ def _add_scale_parser(kinds) -> None:
 
     sc = kinds.add_parser("scale", help="brisk beside llama.cpp at 1.7B and 8B (random bodies at real shapes) and on "
                                         "Gemma 3 at 32k, native and AVX2 builds, with the host's limits")
-    sc.add_argument("--models", nargs="+", default=["1.7b:Q4_K_M", "8b:Q4_K_M", "gemma"], metavar="MODEL",
+    sc.add_argument("--models", nargs="+", default=["1.7b:Q4_K_M"], metavar="MODEL",
                     help="SHAPE:TYPE (shapes 1.7b, 8b; types Q4_K_M, Q4_0, Q8_0, written under data/shapes/ and "
                          "quantized by make llama-cpp's llama-quantize the first time), gemma (its single and long "
                          "rows), or a GGUF file's path (every row)")

@@ -53,15 +53,24 @@ SECTIONS = (
             "`llama-bench`, brisk offline, and transformers `generate` (float32) one at a time and in static batches.",
             ("bench", "compare"), ("--num-prompts", "8", "--output-len", "32", "--hf-single-prompts", "1",
                                     "--hf-batch-size", "8")),
-    Section("scale", "At the sizes users run: 1.7B and 8B beside llama.cpp, native and AVX2 builds",
-            "Random bodies at SmolLM2-1.7B's and Llama 3 8B's shapes with the default tokenizer, quantized to Q4_K_M "
-            "by llama.cpp's llama-quantize (`brisk bench scale` writes and caches them), and the real Gemma 3 270M "
-            "file for a 32k prompt. Both engines on the same file and threads, one after the other, the same "
-            "statistic on both sides; each build's own measured limits (read bandwidth, int8 dot peak) beside "
-            "every row. The avx2 build (BRISK_ISA=avx2 beside `make llama-cpp-avx2`) is a proxy for AVX2-only "
-            "CPUs, measured on the host named.",
-            ("bench", "scale"),
-            ("--models", "1.7b:Q4_K_M", "--rows", "single", "pp512", "start", "memory", "--repeats", "1")),
+    Section("scale", "At the sizes users run: a 1.7B model beside llama.cpp, native and AVX2 builds",
+            "A random body at SmolLM2-1.7B's shape with the default tokenizer, quantized to Q4_K_M by llama.cpp's "
+            "llama-quantize (`brisk bench scale` writes and caches it under data/shapes/). Both engines on the same "
+            "file and threads, one after the other, the same statistic on both sides; each build's own measured "
+            "limits (read bandwidth, int8 dot peak) beside every row. The avx2 build (BRISK_ISA=avx2 beside "
+            "`make llama-cpp-avx2`, both x86-64-v3) is a proxy for AVX2-only CPUs, measured on the host named.",
+            ("bench", "scale", "--models", "1.7b:Q4_K_M"),
+            ("--rows", "single", "pp512", "start", "memory", "--repeats", "1")),
+    Section("scale-8b", "At the sizes users run: an 8B model beside llama.cpp, native and AVX2 builds",
+            "A random body at Llama 3 8B's shape (7.38B parameters with the default tokenizer), Q4_K_M by "
+            "llama-quantize, as the 1.7B section; its rows run once each (8 sequences offline and served).",
+            ("bench", "scale", "--models", "8b:Q4_K_M", "--rows", "single", "offline", "served", "start", "memory",
+             "--repeats", "1"),
+            ("--rows", "single", "memory")),
+    Section("scale-gemma", "At the sizes users run: Gemma 3 270M at 32k tokens of context, native and AVX2 builds",
+            "The real Gemma 3 270M file (Q4_K_M, sliding windows of 512 on five layers of six): single stream, "
+            "and a 32,000-token prompt's prefill and decode at that depth, beside llama.cpp on the same file.",
+            ("bench", "scale", "--models", "gemma"), ("--gemma-long-tokens", "8000", "--repeats", "1")),
     Section("serve", "Latency against load: `brisk serve` under Poisson arrivals",
             "MT-Bench first turns streamed by the load generator at increasing request rates (then all at once), "
             "on a `brisk serve` whose prefix cache is emptied between rates; goodput counts requests with "

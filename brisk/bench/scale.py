@@ -231,8 +231,10 @@ def _brisk_command(model: Model, port: int, kv_gib: float, threads: int) -> list
             "--no-response-cache", "--log-level", "warning"]
 
 
-def _llama_command(llama: LlamaCpp, model: Model, port: int, slots: int, threads: int) -> list[str]:
-    return llama.server_command(model.path, port, slots, 512, threads)
+def _llama_command(llama: LlamaCpp, model: Model, port: int, slots: int, threads: int,
+                   buffers: bool = False) -> list[str]:
+    """llama-server as bench compare runs it; buffers: logging at the level that states them."""
+    return llama.server_command(model.path, port, slots, 512, threads) + (["-lv", "4"] if buffers else [])
 
 
 def _start_seconds(command_of, env: dict, repeats: int) -> tuple[list[float], str]:
@@ -267,7 +269,7 @@ def _llama_buffers(log: str) -> str:
     """llama.cpp's own statement of its buffers, from its log: "CPU_Mapped model 1,005 MiB, ..."."""
     import re
 
-    found = re.findall(r"(\w+) (model|KV|compute) buffer size\s*=\s*([\d.]+) MiB", log)
+    found = re.findall(r"(\w+)\s+(model|KV|compute|output) buffer size\s*=\s*([\d.]+) MiB", log)
     return ", ".join(f"{name} {kind} {float(mib):,.0f} MiB" for name, kind, mib in found) or "not stated"
 
 
@@ -346,7 +348,7 @@ def run_build(build: str, model: Model, args) -> tuple[list[Figure], dict]:
     if "start" in model.rows or "memory" in model.rows:
         kv_gib = job["kv_gib_per_token"] * 1024 / 2**30
         brisk_runs, _ = _start_seconds(lambda port: _brisk_command(model, port, kv_gib, threads), env, args.repeats)
-        llama_runs, log = _start_seconds(lambda port: _llama_command(llama, model, port, 1, threads), env,
+        llama_runs, log = _start_seconds(lambda port: _llama_command(llama, model, port, 1, threads, True), env,
                                          args.repeats)
         if "start" in model.rows:
             figures.append(Figure("start", "start to the answer of a one-token request (page cache warm)", "s",
