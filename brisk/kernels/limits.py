@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.kernels import cpu
+from brisk.kernels import cpu, isa
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,6 @@ def int8_dot_peak(iterations: int = 20_000_000, rounds: int = 3) -> tuple[float,
 
 
 def _sequence() -> str:
-    from brisk.kernels import isa
-
     flags, march = isa.cpu_flags(), isa.chosen().march
     if march == "native" and {"avx512_vnni", "avx512f"} <= flags:
         return "vpdpbusd zmm (AVX512-VNNI)"
