@@ -49,6 +49,7 @@ def test_the_files_blocks_run_float32_activations_over_a_16_bit_cache(monkeypatc
     where the CPU multiplies it); an explicit dtype or cache kind stands, and floats follow the
     fast dtype, their cache the dtype."""
     monkeypatch.setattr(isa, "host_flags", lambda: frozenset(flags.split()))
+    monkeypatch.setenv(isa.ENV, "native")  # a host of these flags as it is, whatever BRISK_ISA this run has
     fast = torch.bfloat16 if sixteen_bits == "bfloat16" else torch.float32
     blocks = _gguf("Q4_1", "Q8_0")
     assert resolve_precision(EngineConfig(), blocks, CPU) == Precision(torch.float32, sixteen_bits)
