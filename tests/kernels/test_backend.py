@@ -34,8 +34,8 @@ def test_each_device_gets_its_backend():
     ("avx2 amx_bf16 amx_tile", torch.bfloat16),  # Sapphire Rapids' AMX
 ])
 def test_the_fast_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch, flags, expected):
-    monkeypatch.setattr(isa, "host_flags", lambda: frozenset(flags.split()))
-    monkeypatch.setenv(isa.ENV, "native")  # a host of these flags as it is, whatever BRISK_ISA this run has  # the host, not a kernel choice
+    monkeypatch.setattr(isa, "host_flags", lambda: frozenset(flags.split()))  # the host, not a kernel choice
+    monkeypatch.setenv(isa.ENV, "native")  # a host of these flags as it is, whatever BRISK_ISA this run has
     assert fast_dtype(torch.device("cpu")) == expected
     assert fast_dtype(torch.device("cuda")) == torch.bfloat16
 
