@@ -11,8 +11,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import contextlib
 from contextlib import contextmanager
-from typing import Iterator
+from typing import IO, Iterator
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,13 +38,14 @@ def brisk_serve(flags: list[str], server: ServerConfig, startup_timeout: float,
 
 
 @contextmanager
-def server_process(command: list[str], base_url: str, startup_timeout: float,
-                   health_path: str = "/health") -> Iterator[str]:
-    """`command` as a subprocess serving at base_url until the block ends (SIGTERM, then SIGKILL
-    after a minute); yields the URL once GET health_path answers. Its output is kept to show
-    if it exits before that."""
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+def server_process(command: list[str], base_url: str, startup_timeout: float, health_path: str = "/health",
+                   env: dict[str, str] | None = None, log: IO[str] | None = None) -> Iterator[str]:
+    """`command` as a subprocess (in `env`, else this process's environment) serving at base_url
+    until the block ends (SIGTERM, then SIGKILL after a minute); yields the URL once GET
+    health_path answers. Its output goes to `log` (a text file open for reading too), else to a
+    file of its own, and is shown if it exits before answering."""
+    with contextlib.nullcontext(log) if log is not None else tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_until_healthy(base_url, startup_timeout, process, log, health_path)
             yield base_url

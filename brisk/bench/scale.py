@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from brisk.bench.compare import LLAMA_BATCH, LLAMA_UBATCH, LlamaCpp
-from brisk.bench.harness import free_port, machine, wait_until_healthy
+from brisk.bench.harness import free_port, machine, server_process
 from brisk.bench.load import LoadSettings, mtbench_requests
 from brisk.bench.shapes import SHAPES, shape_file
 from brisk.config import ConfigError
@@ -207,19 +207,9 @@ def _llama_side(llama: LlamaCpp, model: Model, threads: int, repeats: int) -> di
 @contextlib.contextmanager
 def _process(command: list[str], env: dict, port: int, timeout: float):
     """A server process until the block ends; yields (its base URL, its log so far)."""
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_until_healthy(url, timeout, process, log)
-            yield url, log
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with tempfile.TemporaryFile("w+") as log, server_process(command, f"http://127.0.0.1:{port}", timeout, env=env,
+                                                              log=log) as url:
+        yield url, log
 
 
 def _first_answer(url: str) -> None:

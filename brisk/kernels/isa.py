@@ -10,10 +10,15 @@ F16C and nothing newer:
 - every decision that reads the CPU's flags sees none of AVX-512, AVX-VNNI or AMX (`cpu_flags`):
   bf16 as the fast dtype and the 16-bit KV cache kind (kernels/backend.py: fast_dtype), LoRA's
   bf16 products (decided when lora.c is built, so by the target);
-- torch's own kernels are capped at AVX2: ATen's vectorized ops (ATEN_CPU_CAPABILITY) and
-  oneDNN's (ONEDNN_MAX_CPU_ISA, which `torch._int_mm` runs).
+- torch's own vectorized ops are capped at AVX2 (ATEN_CPU_CAPABILITY).
 
-torch reads its two variables once, at its first operation, not at import; `configure_torch`
+oneDNN, which `torch._int_mm` runs (w8a8 products past 8 rows), is left to choose: capped with
+ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 host its int8 x int8 product saturates (vpmaddubsw's 16-bit
+pair sums; checked: wrong results on full-range int8, where the same tests pass on a real AVX2
+Zen 3), so the cap would show an answer no AVX2 machine gives. Under avx2 that one product keeps
+the host's speed: a proxy's w8a8 rows are not AVX2 figures.
+
+torch reads ATEN_CPU_CAPABILITY once, at its first operation, not at import; `configure_torch`
 sets them and is called where brisk is imported, and by the `brisk` command after it reads
 `--isa`. Child processes (the engine process, a benchmark's servers) inherit the environment.
 The setting is process-wide by nature (torch's capability cannot change once read), so it
@@ -41,7 +46,6 @@ class InstructionSet:
     needs: frozenset[str]  # /proc/cpuinfo flags the host must have
     hidden: tuple[str, ...]  # prefixes of the host's flags this target does not use
     aten: str | None  # ATEN_CPU_CAPABILITY, or None to leave torch's choice
-    onednn: str | None  # ONEDNN_MAX_CPU_ISA, likewise
 
     def describe(self) -> str:
         """How BENCHMARKS.md and the start log name the build."""
@@ -50,9 +54,9 @@ class InstructionSet:
         return f"{self.name} ({ENV}={self.name}: kernels -march={self.march}, torch capped at {self.aten})"
 
 
-NATIVE = InstructionSet("native", "native", frozenset(), (), None, None)
+NATIVE = InstructionSet("native", "native", frozenset(), (), None)
 AVX2 = InstructionSet("avx2", "x86-64-v3", frozenset({"avx2", "fma", "f16c"}),
-                      ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10"), "avx2", "AVX2")
+                      ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10"), "avx2")
 INSTRUCTION_SETS = {s.name: s for s in (NATIVE, AVX2)}
 
 
@@ -86,9 +90,8 @@ def configure_torch(target: InstructionSet | None = None) -> None:
     """Caps torch's own kernels at the target's instruction set. Effective until torch's first
     operation; one that already ran keeps torch at the host's, said once in the log."""
     target = target or chosen()
-    for variable, value in (("ATEN_CPU_CAPABILITY", target.aten), ("ONEDNN_MAX_CPU_ISA", target.onednn)):
-        if value is not None:
-            os.environ[variable] = value
+    if target.aten is not None:
+        os.environ["ATEN_CPU_CAPABILITY"] = target.aten
     if target.aten is not None and "torch" in sys.modules:
         import torch
 
