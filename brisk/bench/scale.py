@@ -95,8 +95,6 @@ def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
 
 def brisk_side(job: dict) -> dict:
     """What brisk does on job["model"] for job["rows"] (run in the build's own process)."""
-    import resource
-
     from brisk import LLM, SamplingParams
     from brisk.bench.throughput import single_stream_decode
     from brisk.kernels.limits import measure
@@ -114,8 +112,7 @@ def brisk_side(job: dict) -> dict:
                    dtype=str(engine.dtype).removeprefix("torch."), kv_kind=engine.kv_cache_kind,
                    parameters=params, weight_bytes=weight_bytes, rss_bytes=_rss_bytes(),
                    kv_bytes=engine.kv.num_blocks * engine.config.block_size
-                   * _kv_bytes_per_token(engine) * engine.kv_layout.positions // engine.hparams.num_layers,
-                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                   * _kv_bytes_per_token(engine) * engine.kv_layout.positions // engine.hparams.num_layers)
     vocab, rng = engine.hparams.vocab_size, random.Random(0)
     greedy = dict(temperature=0.0, ignore_eos=True)
     single_stream_decode(llm, _prompt(rng, vocab, 16), 8)  # warm-up: first-call allocations, kernel builds
