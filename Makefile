@@ -48,7 +48,7 @@ LLAMA_CPP_AVX2_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FM
   -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install redis-server browser test test-llama-cpp lint serve bench bench-quick llama-cpp llama-cpp-avx2 llama-cpp-python clean
+.PHONY: install redis-server browser test test-fast test-llama-cpp lint serve bench bench-quick llama-cpp llama-cpp-avx2 llama-cpp-python clean
 
 install: $(STAMP) $(TEXT) $(MTBENCH) $(GEMMA) redis-server browser
 
@@ -110,6 +110,10 @@ $(GEMMA): | $(STAMP)
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The inner loop: every test that loads no real model (no real_model marker).
+test-fast: install
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not real_model and not llama_cpp" $(PYTEST_ARGS)
 
 # The tests that run llama.cpp's programs (marker llama_cpp): only when asked for, after make llama-cpp.
 test-llama-cpp: install llama-cpp llama-cpp-python

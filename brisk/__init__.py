@@ -10,7 +10,7 @@ from brisk.engine.adapters import LoRARequest
 from brisk.engine.output import CompletionOutput, RequestOutput
 from brisk.llm import LLM
 from brisk.sample.grammar import StructuredOutputs
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput", "CompletionOutput", "Embedder",
            "Embedding", "LoRARequest"]

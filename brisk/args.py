@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import types
 import typing
 from dataclasses import MISSING
@@ -53,6 +54,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return config_from_args(EngineConfig, args)
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """`brisk serve MODEL`: the model as a positional argument, as `vllm serve MODEL` takes it;
+    `--model` still works, and naming two different models is an error."""
+    parser.add_argument("model_argument", nargs="?", default=None, metavar="MODEL",
+                        help="a GGUF file or a Hugging Face folder (the same as --model; default: SmolLM2-135M-Instruct)")
+
+
 def add_config_file_argument(parser: argparse.ArgumentParser, config_classes: tuple[type, ...]) -> None:
     """`--config FILE`: this command's knobs (of `config_classes`) read from a YAML file."""
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
@@ -72,6 +80,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     for name in ("config_file_parser", "config_file_classes"):  # parsing's, not the command's
         if hasattr(args, name):
             delattr(args, name)
+    if hasattr(args, "model_argument"):
+        model = args.model_argument
+        del args.model_argument
+        flags = sys.argv[1:] if argv is None else argv
+        flagged = any(a == "--model" or a.startswith("--model=") for a in flags)
+        if model is not None and flagged and args.model != model:
+            raise ConfigError(f"MODEL {model!r} and --model {args.model!r} name different models: give one")
+        if model is not None:
+            args.model = model  # over a config file's, as any flag is
     return args
 
 

@@ -15,8 +15,8 @@ import os
 import sys
 
 from brisk.assembly import build_engine
-from brisk.args import (add_config_arguments, add_config_file_argument, add_engine_arguments, config_from_args,
-                        engine_config_from_args, parse_args)
+from brisk.args import (add_config_arguments, add_config_file_argument, add_engine_arguments, add_model_argument,
+                        config_from_args, engine_config_from_args, parse_args)
 from brisk.config import (EMBEDDING_BACKENDS, ClusterConfig, ConfigError, EmbeddingConfig, EngineConfig,
                           ResponseCacheConfig, ServerConfig)
 from brisk.transport.client import EngineClient
@@ -25,7 +25,7 @@ from brisk.kernels import isa
 from brisk.llm import BATCHING_MODES
 from brisk.quant.formats import GROUP_SIZES
 from brisk.quant.modules import LOAD_TIME_METHODS
-from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
+from brisk.sample.params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_argument(serve)
     add_config_arguments(serve, ServerConfig, "server options")
     add_config_arguments(serve, EmbeddingConfig, "embedding model options")
     add_config_arguments(serve, ResponseCacheConfig, "response cache options")

@@ -92,7 +92,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 500_000  # and their tokens at most (at most ~220 bytes each)
     # drafts at most this x the match length. vLLM's default is 1.0, for GPUs, where a verify row is
     # nearly free; on a 2-core CPU each row costs a quarter of a decode step (attention over the
-    # context and the products per row: docs/benchmark-notes.md), and 0.5 decoded copy, held-out
+    # context and the products per row: docs/speculative.md, design notes), and 0.5 decoded copy, held-out
     # copy and agent workloads 6-12% faster than 1.0 (0.25 and 0.75 slower too; `brisk bench spec`)
     suffix_decoding_max_spec_factor: float = 0.5
     suffix_decoding_min_token_prob: float = 0.1  # drafts no token fewer than this share of occurrences continue with
@@ -209,7 +209,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = knob(
         None, "Budget of one engine step in token-equivalents (prefill chunks + decodes; attention priced in); "
               "default: 256 on CPU, 2048 on a GPU.")
-    attention_cost_context: int = knob(  # fitted with `brisk bench fairness --calibrate` (docs/benchmark-notes.md)
+    attention_cost_context: int = knob(  # fitted with `brisk bench fairness --calibrate` (docs/scheduling.md, design notes)
         1500, "Context length at which a token's attention costs as much as the rest of its forward pass; the "
               "step budget prices a token at 1 + context / this (0: every token costs 1).")
     enable_chunked_prefill: bool = knob(True, "Split long prompts across steps so decodes keep flowing.")
@@ -501,7 +501,7 @@ class ServerConfig:
     engine_process: bool = knob(
         True, "Run the engine (scheduler + model) in its own process, talking to the HTTP process over a socket, "
               "so the front end's Python work is off the engine's critical path (measured: 0.90x offline "
-              "throughput with 32 streams, against 0.78x with the engine on a thread; docs/benchmark-notes.md).")
+              "throughput with 32 streams, against 0.78x with the engine on a thread; docs/performance.md).")
     # OpenMP reads OMP_WAIT_POLICY once, when torch loads, so it can be chosen only for a process started
     # afterwards: the engine process. On a machine with as many cores as engine threads, OpenMP threads
     # spinning between parallel regions hold cores the HTTP process (and a local load generator) need.

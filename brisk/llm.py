@@ -22,7 +22,7 @@ from brisk.engine.engine import LLMEngine, Prompt
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import BatchMetrics, StepSizes
 from brisk.model.tokenizer import Message, chat_messages
-from brisk.sampling_params import OutputKind, SamplingError, SamplingParams
+from brisk.sample.params import OutputKind, SamplingError, SamplingParams
 
 
 BATCHING_MODES = ("continuous", "static", "sorted")

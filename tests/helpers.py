@@ -15,7 +15,7 @@ import torch
 from brisk.engine.request import Request
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.kernels import cpu as cpu_kernels
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 def missing(what: str) -> NoReturn:

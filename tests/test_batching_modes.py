@@ -10,7 +10,7 @@ import pytest
 from brisk import LLM, SamplingParams
 from brisk.batch import run_batch_file
 from brisk.config import EngineConfig
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 from tests.conftest import build_tiny_checkpoint
 
 # Prompts of different lengths, not in length order; outputs of different lengths (max_tokens).

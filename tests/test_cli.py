@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from brisk import SamplingParams
+from brisk.config import ConfigError
 
 pytestmark = pytest.mark.real_model
 
@@ -96,3 +97,22 @@ def test_every_command_prints_its_help():
         with pytest.raises(SystemExit) as exited:
             parser.parse_args([*command, "--help"])
         assert exited.value.code == 0, command
+
+
+def test_serve_takes_the_model_as_a_positional_argument_as_vllm_serve_does(tmp_path):
+    from brisk.args import parse_args
+    from brisk.cli import build_parser
+
+    def model(*argv):
+        return parse_args(build_parser(), ["serve", *argv]).model
+
+    assert model("some/model.gguf", "--port", "9000") == "some/model.gguf"
+    assert model("--model", "some/model.gguf") == "some/model.gguf"
+    assert model("some/model.gguf", "--model", "some/model.gguf") == "some/model.gguf"
+    assert model() is None  # the default model
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: from/the/file.gguf\nmax_num_seqs: 8\n")
+    assert model("--config", str(config)) == "from/the/file.gguf"
+    assert model("on/the/command/line.gguf", "--config", str(config)) == "on/the/command/line.gguf"
+    with pytest.raises(ConfigError, match="name different models"):
+        model("one.gguf", "--model", "other.gguf")

@@ -11,7 +11,7 @@ import pytest
 from brisk import LLM, SamplingParams
 from brisk.model.loader import open_checkpoint
 from brisk.model.tokenizer import NoChatTemplateError
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import drop_chat_template
 

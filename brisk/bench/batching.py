@@ -16,7 +16,7 @@ from brisk.args import engine_config_from_args
 from brisk.bench.harness import machine
 from brisk.bench.workloads import mt_bench_first_turns
 from brisk.llm import LLM
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 def main(args) -> None:

@@ -48,7 +48,7 @@ from brisk.bench.throughput import run_hf, single_stream_decode
 from brisk.config import EngineConfig, ServerConfig
 from brisk.llm import LLM
 from brisk.model.loader import default_model_path, open_checkpoint, resolve_precision, resolve_weight_mode
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 # Where `make llama-cpp` puts the binaries, from the repository's root.
 LLAMA_CPP_BUILD = Path(__file__).resolve().parents[2] / "build" / "llama.cpp" / "bin"

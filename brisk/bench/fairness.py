@@ -24,7 +24,7 @@ from brisk.assembly import build_engine
 from brisk.args import engine_config_from_args
 from brisk.config import EngineConfig
 from brisk.engine.engine import LLMEngine
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 QUESTIONS = ["What is the capital of Peru?", "Name a prime number.", "Say hello in French.", "What color is the sky?",
              "How many legs has a spider?", "Spell the word cat.", "What is 3 times 4?", "Name a planet."]

@@ -24,7 +24,7 @@ from brisk.bench.hf_baseline import hf_generate, load_hf_model
 from brisk.bench.throughput import (hf_single_stream_decode, make_prompts, run_brisk, run_hf, single_stream_decode,
                                     weight_bytes)
 from brisk.llm import LLM
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 def memory_bandwidth(device: torch.device, size_bytes: int = 2**30, repeats: int = 20) -> float:

@@ -28,7 +28,7 @@ from brisk.args import engine_config_from_args
 from brisk.bench.workloads import chat_prompts
 from brisk.engine.adapters import LoRARequest
 from brisk.llm import LLM
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 from brisk.training.lora import ALL_LINEAR, LoRAParameters
 
 B_STD = 0.01  # B's entries: an update of the size training leaves (the outputs change, nothing blows up)

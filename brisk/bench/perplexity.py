@@ -19,7 +19,7 @@ from pathlib import Path
 
 from brisk.config import DEFAULT_TEXT
 from brisk.llm import LLM
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 

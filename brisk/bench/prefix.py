@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from brisk.args import engine_config_from_args
 from brisk.llm import LLM
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 @dataclass

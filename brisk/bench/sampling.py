@@ -20,7 +20,7 @@ from brisk.kernels import cpu as cpu_kernels
 from brisk.kernels.backend import KernelBackend
 from brisk.llm import LLM
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 @dataclass
 class Setting:

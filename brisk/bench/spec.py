@@ -45,7 +45,7 @@ from brisk.engine.stats import SpecDecodeStats
 from brisk.engine.step_hook import NoStepHook
 from brisk.llm import LLM
 from brisk.model.tokenizer import Message
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 from brisk.spec.speculator import Speculator
 from brisk.spec.suffix import SuffixDrafter
 

@@ -29,7 +29,7 @@ from brisk.engine import engine as engine_module
 from brisk.engine import runner as runner_module
 from brisk.kernels import cpu as cpu_kernels
 from brisk.llm import LLM
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 # (module, attribute, category): the weight-streaming matmuls, the attention kernels, and the
 # pieces of the rest worth naming.

@@ -21,7 +21,7 @@ from brisk.bench.sampling import Setting, tokens_per_second
 from brisk.bench.workloads import chat_prompts
 from brisk.llm import LLM
 from brisk.sample.grammar import StructuredOutputs, apply_bitmask, fill_bitmask
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 LONG_STRING = {"type": "object", "properties": {"story": {"type": "string", "minLength": 100000}},
                "required": ["story"]}

@@ -79,8 +79,8 @@ def main(args) -> None:
         model = llm.engine.model
         greedy = reference if name == "teacher" else greedy_tokens(model, text + answers)
         ppl = perplexity(llm, data.heldout_text, args.context_len, args.stride)
-        spec = model.hparams
-        rows[name] = Row(name, f"{spec.num_layers} x {spec.hidden_size} x {spec.intermediate_size}",
+        hparams = model.hparams
+        rows[name] = Row(name, f"{hparams.num_layers} x {hparams.hidden_size} x {hparams.intermediate_size}",
                          weight_footprint(model)[0], weight_bytes(llm),
                          ppl.perplexity, agreement(reference[:len(text)], greedy[:len(text)], firsts[:len(text)]),
                          agreement(reference[len(text):], greedy[len(text):], firsts[len(text):]), [], [])

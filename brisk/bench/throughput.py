@@ -16,7 +16,7 @@ from brisk.bench.hf_baseline import hf_generate, load_hf_model
 from brisk.args import engine_config_from_args
 from brisk.llm import LLM
 from brisk.quant.modules import weight_footprint
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 @dataclass

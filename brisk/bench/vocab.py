@@ -28,7 +28,7 @@ from brisk.bench.step import profile
 from brisk.bench.structured import OBJECTS, mask_milliseconds
 from brisk.config import DEFAULT_TEXT
 from brisk.llm import LLM
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 # a page of text for the tokenizers: a novel's opening where `make install` put it

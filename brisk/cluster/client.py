@@ -39,7 +39,7 @@ from brisk.engine.adapters import AdapterInfo
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import NO_OPTIONS, RequestOptions, validate_request
 from brisk.engine.stats import EngineSnapshot, StatLogger, combined_snapshot
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 logger = logging.getLogger("brisk.cluster")
 

@@ -25,7 +25,7 @@ from brisk.engine.output import RequestOutput
 from brisk.engine.request import NO_OPTIONS, RequestOptions
 from brisk.engine.stats import EngineSnapshot, IterationStats
 from brisk.model.tokenizer import Tokenizer
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 logger = logging.getLogger("brisk.cluster")
 

@@ -32,7 +32,7 @@ from brisk.engine.step_hook import NoStepHook, StepHook
 from brisk.engine.waiting import waiting_queue
 from brisk.model.loader import kernels_name, load_model, open_checkpoint, resolve_precision, resolve_weight_mode
 from brisk.sample.grammar import Grammar, GrammarCompiler
-from brisk.sampling_params import SamplingError, SamplingParams, is_int
+from brisk.sample.params import SamplingError, SamplingParams, is_int
 
 Prompt = str | list[int] | dict
 DEFAULT_CPU_KV_CACHE_GIB = 1.0

@@ -15,7 +15,7 @@ from brisk.engine.request import Request, RequestStatus
 from brisk.engine.stats import SpecDecodeStats
 from brisk.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from brisk.sample.logprobs import TokenLogprobs
-from brisk.sampling_params import OutputKind, SamplingParams
+from brisk.sample.params import OutputKind, SamplingParams
 
 
 @dataclass

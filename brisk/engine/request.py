@@ -18,7 +18,7 @@ from brisk.engine.stats import SpecDecodeStats
 from brisk.engine.step_hook import VerifyPlan
 from brisk.kernels.lora import AdapterWeights
 from brisk.sample.grammar import Grammar
-from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.sample.params import SamplingError, SamplingParams
 
 logger = logging.getLogger("brisk.engine")
 FLOAT32_MAX = 3.4028234663852886e38  # a LoRA update's scale is applied in float32

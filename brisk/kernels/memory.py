@@ -5,7 +5,7 @@ model's 125 MB is 30,000 pages per step, and the core's TLB holds a few thousand
 the stream walks page tables as it goes. A 2 MiB page covers 512 times as much. Measured on
 the default model's shapes (Cascade Lake, 2 threads, huge and 4 KiB copies alternating in one
 process): the 120 int4 layer products 4-7% faster, the Q8_0 head 5-10%; whole decode steps
-1.5-4% faster at fp32, int4 and gguf alike (docs/benchmark-notes.md, "Huge pages").
+1.5-4% faster at fp32, int4 and gguf alike (docs/architecture.md, "Weights and KV cache in huge pages").
 
 Linux hands out transparent huge pages to memory that asks for them (`madvise`, the usual
 setting of /sys/kernel/mm/transparent_hugepage/enabled) or to all of it (`always`), and only

@@ -181,7 +181,7 @@ class GGUFCheckpoint:
         """HF-named weights, dequantized to `dtype`; with keep_blocks, matrices stored in a kind of
         GGUF_BLOCK_BYTES (Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, Q4_K, Q5_K, Q6_K) come as QuantizedTensors of the
         file's own values instead (nothing rounded; see from_gguf_blocks)."""
-        spec = self.hparams()
+        hparams = self.hparams()
         renames = dict(self.architecture.gguf_layer_names)
         for name, tensor in self.tensors.items():
             hf_name = _hf_name(name, renames)
@@ -192,7 +192,7 @@ class GGUFCheckpoint:
             else:
                 weight = dequantize(tensor).to(device=device, dtype=dtype)
             if self.architecture.gguf_interleaved_rope and name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = spec.num_heads if "attn_q" in name else spec.num_kv_heads
+                heads = hparams.num_heads if "attn_q" in name else hparams.num_kv_heads
                 weight = _undo_rope_permutation(weight, heads)
             yield hf_name, weight
 

@@ -64,19 +64,19 @@ def project(linear: nn.Module, x: torch.Tensor, lora: LoRABatch | None, layer: i
 class Attention(nn.Module):
     """window: positions each query sees (its own included), 0 for all of them; index: the layer's."""
 
-    def __init__(self, spec: HParams, kernels: KernelBackend, window: int = 0, index: int = 0):
+    def __init__(self, hparams: HParams, kernels: KernelBackend, window: int = 0, index: int = 0):
         super().__init__()
         self.index = index
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.attention_scale
+        self.num_heads, self.num_kv_heads, self.head_dim = hparams.num_heads, hparams.num_kv_heads, hparams.head_dim
+        self.q_size = hparams.num_heads * hparams.head_dim
+        self.kv_size = hparams.num_kv_heads * hparams.head_dim
+        self.scale = hparams.attention_scale
         self.window = window
         self.kernels = kernels
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.attention_bias, kernels)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, False, kernels)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.qkv_proj = Linear(hparams.hidden_size, self.q_size + 2 * self.kv_size, hparams.attention_bias, kernels)
+        self.o_proj = Linear(self.q_size, hparams.hidden_size, False, kernels)
+        self.q_norm = RMSNorm(hparams.head_dim, hparams.rms_norm_eps, kernels) if hparams.qk_norm else None
+        self.k_norm = RMSNorm(hparams.head_dim, hparams.rms_norm_eps, kernels) if hparams.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCacheLayer, meta: AttentionMetadata,
                 lora: LoRABatch | None = None) -> torch.Tensor:
@@ -89,13 +89,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: HParams, kernels: KernelBackend, index: int = 0):
+    def __init__(self, hparams: HParams, kernels: KernelBackend, index: int = 0):
         super().__init__()
         self.index = index
         self.kernels = kernels
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, False, kernels)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, False, kernels)
-        self.activation = spec.family.hidden_act
+        self.gate_up_proj = Linear(hparams.hidden_size, 2 * hparams.intermediate_size, False, kernels)
+        self.down_proj = Linear(hparams.intermediate_size, hparams.hidden_size, False, kernels)
+        self.activation = hparams.family.hidden_act
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         hidden = self.kernels.act_mul(project(self.gate_up_proj, x, lora, self.index, "gate_up"), self.activation)
@@ -107,16 +107,16 @@ class DecoderLayer(nn.Module):
     normalized before they join the residual stream. `post_attention_layernorm` is the norm
     before the MLP in every family (Gemma's checkpoints call it pre_feedforward_layernorm)."""
 
-    def __init__(self, spec: HParams, kernels: KernelBackend, index: int):
+    def __init__(self, hparams: HParams, kernels: KernelBackend, index: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.self_attn = Attention(spec, kernels, spec.window(index), index)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.mlp = MLP(spec, kernels, index)
-        sandwich = spec.family.sandwich_norms
-        self.attention_output_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if sandwich else None
-        self.mlp_output_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if sandwich else None
-        self.local_rope = spec.local_rope_theta is not None and spec.window(index) > 0
+        self.input_layernorm = RMSNorm(hparams.hidden_size, hparams.rms_norm_eps, kernels)
+        self.self_attn = Attention(hparams, kernels, hparams.window(index), index)
+        self.post_attention_layernorm = RMSNorm(hparams.hidden_size, hparams.rms_norm_eps, kernels)
+        self.mlp = MLP(hparams, kernels, index)
+        sandwich = hparams.family.sandwich_norms
+        self.attention_output_norm = RMSNorm(hparams.hidden_size, hparams.rms_norm_eps, kernels) if sandwich else None
+        self.mlp_output_norm = RMSNorm(hparams.hidden_size, hparams.rms_norm_eps, kernels) if sandwich else None
+        self.local_rope = hparams.local_rope_theta is not None and hparams.window(index) > 0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,21 +153,21 @@ class LlamaForCausalLM(nn.Module):
     """kernels: the backend every layer runs its ops in (the loader's `choose_backend`); a
     model's backend changes only through `use_kernels`, which hands the new one to every layer."""
 
-    def __init__(self, spec: HParams, max_len: int, kernels: KernelBackend):
+    def __init__(self, hparams: HParams, max_len: int, kernels: KernelBackend):
         super().__init__()
-        self.hparams = spec
+        self.hparams = hparams
         self.kernels = kernels
         # Uninitialized, as every weight here: the loader fills it from the file (and normal_, the
         # random init, imports sympy on the meta device: see model/loader.py's load_model).
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
-                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
+        self.embed_tokens = nn.Embedding(hparams.vocab_size, hparams.hidden_size,
+                                         _weight=torch.empty(hparams.vocab_size, hparams.hidden_size))
         # Gemma scales embeddings in the model's dtype, as transformers does (sqrt(640) is 25.25 in bf16)
-        self.embed_scale = spec.hidden_size ** 0.5 if spec.family.scaled_embeddings else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, kernels, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, False, kernels)
-        self.rotary = RotaryEmbedding(spec, max_len)
-        self.local_rotary = RotaryEmbedding(spec, max_len, local=True) if spec.local_rope_theta is not None else None
+        self.embed_scale = hparams.hidden_size ** 0.5 if hparams.family.scaled_embeddings else None
+        self.layers = nn.ModuleList(DecoderLayer(hparams, kernels, i) for i in range(hparams.num_layers))
+        self.norm = RMSNorm(hparams.hidden_size, hparams.rms_norm_eps, kernels)
+        self.lm_head = None if hparams.tie_word_embeddings else Linear(hparams.hidden_size, hparams.vocab_size, False, kernels)
+        self.rotary = RotaryEmbedding(hparams, max_len)
+        self.local_rotary = RotaryEmbedding(hparams, max_len, local=True) if hparams.local_rope_theta is not None else None
         self._decode_layers = None  # the fused decode step, built on first use
         self._decode_groups: tuple[int, ...] | None = None  # the layer grouping it was built for
 

@@ -125,7 +125,7 @@ def resolve_weight_mode(config: EngineConfig, checkpoint: Checkpoint, device: to
     kernels that has blocks brisk runs as stored (GGUF_BLOCK_BYTES: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
     Q4_K, Q5_K, Q6_K): the file's own values, read at their own size (the
     default model: 96.5 MB per decode step against 269 MB in bf16), at float32's perplexity +0.2%
-    (README, the table of what `auto` runs). Anywhere else it is "none": the weights in `dtype`, a
+    (docs/quantization.md, the table of what `auto` runs). Anywhere else it is "none": the weights in `dtype`, a
     `brisk quantize` folder as stored (a GPU's decode step is bound by kernel launches, not weight
     bytes: an H100 reads the default model's bf16 in 89 of its 784 us per token). "w8a8" is int8
     with int8 activations. Raises ConfigError, naming int8_activations, where they were asked for
@@ -261,12 +261,12 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
 
 def _open_hf_folder(folder: str) -> Checkpoint:
     config = _read_json(os.path.join(folder, "config.json"), required=True)
-    spec = HParams.from_hf_config(config)
+    hparams = HParams.from_hf_config(config)
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
 
-    offset = spec.family.hf_norm_offset
+    offset = hparams.family.hf_norm_offset
 
     def weights(dtype: torch.dtype, device: torch.device, keep_blocks: bool = False
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
@@ -275,7 +275,7 @@ def _open_hf_folder(folder: str) -> Checkpoint:
             yield name, tensor + offset if offset and is_norm(name) else tensor
 
     layout = QuantizedLayout.of(config)
-    return Checkpoint(folder, "hf", spec, _hf_tokenizer(folder, config), weights, layout=layout,
+    return Checkpoint(folder, "hf", hparams, _hf_tokenizer(folder, config), weights, layout=layout,
                       quantization=layout and str(layout))
 
 

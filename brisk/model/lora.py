@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from brisk.kernels import lora as kernel_lora
 from brisk.model.gguf_file import read_lora
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 
 if TYPE_CHECKING:
     from brisk.model.llama import LlamaForCausalLM
@@ -211,15 +211,15 @@ def _read_peft(path: str) -> dict[str, dict[str, torch.Tensor]]:
 def _read_gguf(path: str, model: LlamaForCausalLM) -> tuple[LoRAConfig, dict[str, dict[str, torch.Tensor]]]:
     """llama.cpp's LoRA GGUF: its rank from the tensors, its scale as llama.cpp takes it (alpha / r,
     or 1 where the file gives no alpha)."""
-    spec = model.hparams
+    hparams = model.hparams
     try:
-        lora = read_lora(path, spec.num_heads, spec.num_kv_heads)
+        lora = read_lora(path, hparams.num_heads, hparams.num_kv_heads)
     except ValueError as exc:
         raise LoRAError("lora_path", str(exc)) from None
     except (OSError, EOFError, struct.error, KeyError, IndexError, TypeError) as exc:  # a cut or garbled file
         raise LoRAError("lora_path", f"{path} could not be read as a GGUF file ({type(exc).__name__}: {exc})") from None
-    if lora.architecture != spec.architecture:
-        raise LoRAError("lora_path", f"{path} adapts a {lora.architecture} model; this one is {spec.architecture}")
+    if lora.architecture != hparams.architecture:
+        raise LoRAError("lora_path", f"{path} adapts a {lora.architecture} model; this one is {hparams.architecture}")
     ranks = {pair["A"].shape[0] for pair in lora.halves.values() if "A" in pair}
     if len(ranks) != 1:
         raise LoRAError("lora_path", f"{path}: its matrices have ranks {sorted(ranks)}; brisk needs one rank")

@@ -15,13 +15,13 @@ from torch import nn
 from brisk.model.hparams import HParams
 
 
-def rope_inverse_frequencies(spec: HParams, local: bool = False) -> torch.Tensor:
+def rope_inverse_frequencies(hparams: HParams, local: bool = False) -> torch.Tensor:
     """local: the sliding-window layers' frequencies where they have their own base (Gemma 3:
-    spec.local_rope_theta, never scaled; the scaling stretches the global layers' long range)."""
-    dim = spec.head_dim
-    theta = spec.local_rope_theta if local else spec.rope_theta
+    hparams.local_rope_theta, never scaled; the scaling stretches the global layers' long range)."""
+    dim = hparams.head_dim
+    theta = hparams.local_rope_theta if local else hparams.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = None if local else spec.rope_scaling_dict
+    scaling = None if local else hparams.rope_scaling_dict
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -48,9 +48,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_len, indexed by each token's position.
     local: the sliding-window layers' tables (rope_inverse_frequencies)."""
 
-    def __init__(self, spec: HParams, max_len: int, local: bool = False):
+    def __init__(self, hparams: HParams, max_len: int, local: bool = False):
         super().__init__()
-        self.hparams, self.max_len, self.local = spec, max_len, local
+        self.hparams, self.max_len, self.local = hparams, max_len, local
         self.cos = self.signed_sin = None
 
     def build(self, device: torch.device) -> None:

@@ -24,12 +24,12 @@ def forward_sequences(model: LlamaForCausalLM, token_lists: list[list[int]],
                       lora: LoRABatch | None = None) -> torch.Tensor:
     """[sum of lengths, hidden]: each sequence's final hidden states, in order, from position 0;
     lora: the rows' adapters (training/lora.py trains one through it)."""
-    device, spec = model.norm.weight.device, model.hparams
+    device, hparams = model.norm.weight.device, model.hparams
     input_ids, positions, meta = _prefill_batch(token_lists, device)
     kind = str(model.norm.weight.dtype).removeprefix("torch.")
     blocks = sum(_blocks(len(tokens)) for tokens in token_lists)
-    caches = [KVCacheLayer.allocate(kind, blocks, spec.num_kv_heads, BLOCK_SIZE, spec.head_dim, device)
-              for _ in range(spec.num_layers)]
+    caches = [KVCacheLayer.allocate(kind, blocks, hparams.num_kv_heads, BLOCK_SIZE, hparams.head_dim, device)
+              for _ in range(hparams.num_layers)]
     return model(input_ids, positions, caches, meta, lora)
 
 

@@ -14,18 +14,23 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from brisk.model.tokenizer import Tokenizer
 from brisk.quant.formats import GROUP_SIZES, GROUPED_FORMATS, QuantizedTensor
 
 QUANT_METHOD = "brisk"  # config.json's quantization_config.quant_method for folders written here
 _METADATA_KEY = "brisk_quantized"
 _PARTS = ("codes", "scales", "mins")  # QuantizedTensor's data, scales and mins, in that order
+
+
+class SavesItsFiles(Protocol):
+    """What write_folder needs of a tokenizer (model/tokenizer.py's): its files written to a folder."""
+
+    def save(self, folder: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class QuantizedLayout:
         return f"{self.method}, groups of {self.group_size}" if self.method in GROUPED_FORMATS else self.method
 
 
-def write_folder(out: str, config: dict, layout: QuantizedLayout | None, tokenizer: Tokenizer,
+def write_folder(out: str, config: dict, layout: QuantizedLayout | None, tokenizer: SavesItsFiles,
                  weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
     """A folder the loader (and transformers, for float weights) opens like any Hugging Face
     checkpoint: config.json (`config`, plus the quantization_config of quantized weights), the

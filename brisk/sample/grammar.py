@@ -3,7 +3,7 @@ matches a JSON schema, a regular expression, a list of choices or a context-free
 
 The engine is llguidance (a Rust library with no Python dependencies; xgrammar, the other
 choice, pulls in transformers and triton at run time). Its masks cost about 0.15 ms per
-sequence and step on the default model's 49k vocabulary (docs/benchmark-notes.md has the overhead).
+sequence and step on the default model's 49k vocabulary (docs/api.md's design notes have the overhead).
 
     StructuredOutputs   what a request asks for; checked when built, so a bad schema is a 400,
                         and so is a grammar whose start derives no finite text (check_start_derives)

@@ -12,7 +12,7 @@ from itertools import chain
 
 import torch
 
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 @dataclass

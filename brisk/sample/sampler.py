@@ -38,7 +38,7 @@ from brisk.sample.grammar import Grammar, apply_bitmask, fill_bitmask
 from brisk.sample.logprobs import RankedLogprobs, rank_targets
 from brisk.sample.penalties import Penalties
 from brisk.sample.random import to_int64, uniforms
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 @dataclass

@@ -46,7 +46,7 @@ from brisk.config import ConfigError, ResponseCacheConfig
 from brisk.embed.embedder import Embedder
 from brisk.engine.output import RequestOutput
 from brisk.engine.stats import percentiles
-from brisk.sampling_params import GREEDY_TEMPERATURE
+from brisk.sample.params import GREEDY_TEMPERATURE
 from brisk.server.errors import APIError
 from brisk.server.middleware import DEFAULT_TENANT, Caller
 from brisk.server.protocol import SamplingFields

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from brisk.transport.client import EngineDeadError
 from brisk.engine.adapters import AdapterNotFound
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 
 logger = logging.getLogger("brisk.server")
 _FIELD = re.compile(r"^\w+$")  # a field name or index, not the name of a union branch pydantic tried
@@ -71,7 +71,7 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         location = []
     elif first.get("type") == "extra_forbidden":
         message = (f"Unsupported field `{'.'.join(location)}`: brisk does not implement it, and ignoring it "
-                   f"would silently change the answer (the README's 'Request fields' lists what is accepted).")
+                   f"would silently change the answer (docs/api.md, 'Request fields', lists what is accepted).")
     else:
         where = ".".join(location) or "body"
         message = f"{where}: {first.get('msg', 'invalid value')}"

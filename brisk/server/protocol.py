@@ -4,7 +4,7 @@ OpenAI's shapes for /v1/chat/completions and /v1/completions, plus the extras vL
 brisk implements, and brisk's own /v1/generate endpoints. Nothing is silently ignored: a field
 brisk does not implement is a 400 naming it (`extra="forbid"` everywhere), except the four of
 OpenAI's platform bookkeeping (`user`, `metadata`, `store`, `service_tier`), which clients send
-routinely and which change nothing in the output. The README's "Request fields" section lists
+routinely and which change nothing in the output. docs/api.md's "Request fields" lists
 the three groups.
 
 Limits that protect the server live here too: at most 128 completions (`n`, OpenAI's own
@@ -21,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from brisk.model.tokenizer import CHAT_ROLES, message_text
 from brisk.sample.grammar import StructuredOutputs
-from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
+from brisk.sample.params import BRISK_DEFAULTS, OutputKind, SamplingError, SamplingParams
 
 MAX_N = 128  # completions per request, as OpenAI allows
 MAX_PROMPTS = 128  # prompts per /v1/completions or /v1/generate/batch request

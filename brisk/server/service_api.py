@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from brisk.engine.output import RequestOutput, accumulate
 from brisk.engine.request import RequestOptions
-from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingParams
+from brisk.sample.params import BRISK_DEFAULTS, OutputKind, SamplingParams
 from brisk.server.caching import Cacheable, ResponseCaching, caller, greedy, lookup, worth_storing
 from brisk.server.errors import APIError
 from brisk.server.protocol import GenerateBatchRequest, GenerateRequest

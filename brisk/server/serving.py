@@ -31,7 +31,7 @@ from brisk.engine.adapters import AdapterInfo
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import NO_OPTIONS, RequestOptions
 from brisk.model.tokenizer import NoChatTemplateError, continue_final_message
-from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.sample.params import SamplingError, SamplingParams
 from brisk.server.errors import APIError, error_body
 from brisk.server.middleware import DEFAULT_TENANT, TenantLimits
 from brisk.server.protocol import ChatCompletionRequest

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from brisk.sample.grammar import JSON_OPTIONS, StructuredOutputs, close_objects
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 

@@ -31,7 +31,7 @@ from brisk.engine.request import Request
 from brisk.engine.runner import ModelRunner
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.loader import Checkpoint, load_model, open_checkpoint, resolve_precision, resolve_weight_mode
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 from brisk.spec.drafter import Drafter
 from brisk.spec.verify import Draft
 

@@ -63,12 +63,12 @@ class BaseModelFingerprint:
     @classmethod
     @torch.no_grad()
     def of(cls, model: LlamaForCausalLM, model_path: str) -> BaseModelFingerprint:
-        spec = model.hparams
+        hparams = model.hparams
         device = model.norm.weight.device
-        rows = torch.linspace(0, spec.vocab_size - 1, _FINGERPRINT_ROWS, device=device).long()
+        rows = torch.linspace(0, hparams.vocab_size - 1, _FINGERPRINT_ROWS, device=device).long()
         return cls(
             file_name=os.path.basename(os.path.normpath(model_path)),
-            hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, num_layers=spec.num_layers,
+            hidden_size=hparams.hidden_size, vocab_size=hparams.vocab_size, num_layers=hparams.num_layers,
             embedding_abs_sum=float(model.embed_tokens(rows).double().abs().sum()),
             final_norm_sum=float(model.norm.weight.double().sum()),
         )
@@ -139,8 +139,8 @@ class MedusaHeads(nn.Module):
         """Untrained heads for this model: each gives exactly the LM head's logits."""
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        spec = model.hparams
-        config = MedusaConfig(num_heads, spec.hidden_size, spec.vocab_size, BaseModelFingerprint.of(model, model_path))
+        hparams = model.hparams
+        config = MedusaConfig(num_heads, hparams.hidden_size, hparams.vocab_size, BaseModelFingerprint.of(model, model_path))
         return cls(config, model.kernels).to(model.norm.weight.device)
 
     @property

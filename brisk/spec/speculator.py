@@ -53,9 +53,9 @@ if TYPE_CHECKING:
 
 # Methods whose drafts cost only their verify rows (the drafter is a lookup): they follow the
 # step-cost rule at any batch size. The others stop past DEFAULT_DISABLE_BY_BATCH_SIZE running
-# sequences (docs/benchmark-notes.md, CPU): a draft model costs a pass of its own per draft
-# token, which already lost at 2 sequences (0.6x plain decoding); Medusa a tree of verify rows
-# and the heads' pass through the LM head.
+# sequences (docs/training.md, "Students do not pay as draft models"): a draft model costs a
+# pass of its own per draft token, which already lost at 2 sequences; Medusa a tree of verify
+# rows and the heads' pass through the LM head.
 ROW_COST_METHODS = ("ngram", "suffix")
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"draft_model": 1, "medusa": 1}
 PROBE_TOKENS = 4  # drafted tokens a sequence tries before its acceptance rate decides
@@ -87,7 +87,7 @@ class StepCost:
     vary. The prior is the default model on a 2-core AMD EPYC (Zen 4): one sequence with k
     rejected drafts at ~500 tokens of context took 3.70, 4.72, 6.45, 8.39 and 14.83 ms at k = 0,
     1, 2, 4 and 8; 1, 4, 8 and 16 sequences of ~130 tokens 3.58, 6.78, 14.38 and 24.97 ms
-    (docs/benchmark-notes.md)."""
+    (docs/speculative.md, "A verify row costs a quarter of a decode step")."""
 
     PRIOR = (2.4e-3, 1.0e-3, 0.5e-6)  # F, c, a in seconds
     PRIOR_STEPS = ((1, 500), (4, 2000), (16, 2000), (16, 16000))  # (rows, keys) of its steps

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 if TYPE_CHECKING:
     from brisk.llm import LLM

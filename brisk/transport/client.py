@@ -1,8 +1,8 @@
 """EngineClient: everything a server needs from an engine, and nothing more.
 
-The HTTP layer is written against this interface alone. The in-thread AsyncEngine implements
-it today; an engine-core process and Ray replicas will implement it too, and the server will
-not change for them. What cannot change while an engine runs (the model, its limits, the
+The HTTP layer is written against this interface alone, and three engines implement it: the
+engine loop on a thread of the server's process (transport/async_engine.py), in a process of its
+own (transport/core_process.py), and Ray Serve replicas behind the ingress (cluster/client.py). What cannot change while an engine runs (the model, its limits, the
 tokenizer) is captured once, at construction, so reading it never crosses a thread or a socket.
 """
 
@@ -23,7 +23,7 @@ from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.model.loader import kernels_name
 from brisk.model.tokenizer import Tokenizer
 from brisk.quant.modules import weight_footprint
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 if TYPE_CHECKING:
     from brisk.engine.engine import LLMEngine

@@ -26,7 +26,7 @@ from brisk.engine.engine import LLMEngine
 from brisk.engine.output import RequestOutput
 from brisk.engine.request import EngineRequest
 from brisk.engine.stats import EngineSnapshot, IterationStats
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 
 logger = logging.getLogger("brisk.engine")
 

@@ -41,7 +41,6 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from brisk.assembly import build_engine
-import brisk
 from brisk.config import EngineConfig
 from brisk.transport.client import EngineDeadError, ModelInfo
 from brisk.transport.core_loop import CallReply, Command, EngineLoop, Inbox, StepOutputs
@@ -191,7 +190,7 @@ def _core_environment(omp_wait_policy: str | None) -> dict[str, str]:
     """The API process's environment, with the brisk it runs first on the path (the core must run
     the same code) and the OpenMP wait policy asked for."""
     env = dict(os.environ)
-    root = str(Path(brisk.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder brisk/ is in
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if omp_wait_policy is not None:
         env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()

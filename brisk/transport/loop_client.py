@@ -28,7 +28,7 @@ from brisk.engine.output import RequestOutput
 from brisk.engine.request import EngineRequest, NO_OPTIONS, RequestOptions
 from brisk.engine.stats import EngineSnapshot, StatLogger
 from brisk.model.tokenizer import Tokenizer
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 T = TypeVar("T")
 Item = RequestOutput | BaseException

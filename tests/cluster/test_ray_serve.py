@@ -1,6 +1,6 @@
 """brisk on Ray Serve: a local Ray cluster started here, 2 replicas of a tiny model behind the
-ingress, driven by the official openai client as a user would (the README's `brisk serve
---replicas 2` runs this same `start`)."""
+ingress, driven by the official openai client as a user would (`brisk serve --replicas 2`,
+docs/deployment.md, runs this same `start`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ serve = import_or_require("ray.serve", "Ray Serve (the optional extra: pip insta
 from brisk import LLM  # noqa: E402
 from brisk.cluster.app import APP_NAME, ENGINE_DEPLOYMENT, engine_deployment, start  # noqa: E402
 from brisk.config import ClusterConfig, EngineConfig, ServerConfig  # noqa: E402
-from brisk.sampling_params import SamplingParams  # noqa: E402
+from brisk.sample.params import SamplingParams  # noqa: E402
 from brisk.identity import content_digest  # noqa: E402
 from tests.conftest import build_lora_adapter, build_tiny_checkpoint  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402

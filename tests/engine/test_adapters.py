@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -22,7 +23,7 @@ from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.kernels.backend import KernelBackend
 from brisk.kernels.cpu import CBackend
 from brisk.model.lora import LoRAError
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 from tests.conftest import (TINY_VOCAB, assert_no_leaks, build_lora_adapter, build_tiny_checkpoint, hf_greedy,
                             load_hf_reference)
 from tests.helpers import hf_logits
@@ -378,59 +379,61 @@ def test_a_bf16_model_applies_adapters_as_the_reference_does(served):
 
 def test_streams_go_on_while_an_adapters_files_are_read(served, monkeypatch):
     """A server reads an adapter's files off the engine's loop (core_loop.Prepare): a request
-    streaming meanwhile gets its tokens, and the adapter serves once it is read."""
+    streaming meanwhile gets its tokens, and the adapter serves once it is read. The read waits
+    until the stream has advanced 20 tokens, so it finishes only if the loop went on without it
+    (a loop waiting for the files would leave the read to give up after a minute)."""
     from brisk.engine.adapters import Adapters
     from brisk.transport.async_engine import AsyncEngine
 
     base, folders, merged, _ = served
-    read = Adapters._read
+    read, streamed, released = Adapters._read, threading.Event(), []
 
     def slow_read(self, name, path):
-        time.sleep(0.5)  # a large adapter on a slow disk
+        released.append(streamed.wait(timeout=60))  # a large adapter on a slow disk
         return read(self, name, path)
 
     monkeypatch.setattr(Adapters, "_read", slow_read)
     engine = AsyncEngine(engine=_llm(served, lora_modules=[], enable_lora=True).engine)
     prompt = _prompt(8, seed=70)
 
-    async def scenario() -> tuple[int, list[int]]:
+    async def scenario() -> list[int]:
         params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
         outputs = aiter(engine.generate(_prompt(5, seed=71), params, "streaming"))
         before = len((await anext(outputs)).outputs[0].token_ids)  # the stream runs before the load begins
         loading = asyncio.create_task(engine.load_adapter("late", folders["qv"]))
-        during = before
-        async for output in outputs:  # until the load is done (or the stream, if it ends first)
-            during = len(output.outputs[0].token_ids)
-            if loading.done():
+        async for output in outputs:
+            if len(output.outputs[0].token_ids) - before >= 20:
+                streamed.set()
                 break
         await loading
+        await outputs.aclose()
         late = engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "late",
                                RequestOptions(adapter="late"))
         answer = [o async for o in late][-1]
-        return during - before, list(answer.outputs[0].token_ids)
+        return list(answer.outputs[0].token_ids)
 
     try:
-        during, tokens = asyncio.run(scenario())
+        tokens = asyncio.run(scenario())
     finally:
         engine.shutdown()
-    assert during >= 20  # the tiny model steps hundreds of times in 0.5 s; the loop did not wait for the files
+    assert released == [True]  # 20 tokens streamed while the files were being read
     assert tokens == hf_greedy(merged["qv"], prompt, 5)
 
 
 def test_streams_go_on_while_a_dropped_adapter_is_read_again(served, monkeypatch):
     """max_cpu_loras=1: the second adapter asked for drops the first; a request for the first
     then waits while a thread of the loop reads its files again (core_loop.EngineLoop), a stream
-    gets its tokens meanwhile, and two requests for it share the one read; then they answer as
-    the merged model does."""
+    gets its tokens meanwhile (the read waits for 20 of them, as above), and two requests for it
+    share the one read; then they answer as the merged model does."""
     from brisk.engine.adapters import Adapters
     from brisk.transport.async_engine import AsyncEngine
 
     _, _, merged, _ = served
-    read, reads = Adapters._read, []
+    read, reads, streamed, released = Adapters._read, [], threading.Event(), []
 
     def slow_read(self, name, path):
         reads.append(name)
-        time.sleep(0.5)  # a large adapter on a slow disk
+        released.append(streamed.wait(timeout=60))  # a large adapter on a slow disk
         return read(self, name, path)
 
     engine = AsyncEngine(engine=_llm(served, max_loras=1, max_cpu_loras=1).engine)
@@ -441,7 +444,7 @@ def test_streams_go_on_while_a_dropped_adapter_is_read_again(served, monkeypatch
         outputs = [o async for o in engine.generate(prompt, params, request_id, RequestOptions(adapter=adapter))]
         return list(outputs[-1].outputs[0].token_ids)
 
-    async def scenario() -> tuple[int, list[list[int]]]:
+    async def scenario() -> list[list[int]]:
         await answer("qv", "first")
         await answer("all", "second")  # drops qv from memory
         monkeypatch.setattr(Adapters, "_read", slow_read)
@@ -449,19 +452,18 @@ def test_streams_go_on_while_a_dropped_adapter_is_read_again(served, monkeypatch
         outputs = aiter(engine.generate(_prompt(5, seed=73), streaming, "streaming"))
         before = len((await anext(outputs)).outputs[0].token_ids)
         again = asyncio.gather(answer("qv", "again"), answer("qv", "again-2"))
-        during = before
-        async for output in outputs:  # until the read is done (or the stream, if it ends first)
-            during = len(output.outputs[0].token_ids)
-            if again.done():
+        async for output in outputs:
+            if len(output.outputs[0].token_ids) - before >= 20:
+                streamed.set()
                 break
-        return during - before, await again
+        await outputs.aclose()
+        return await again
 
     try:
-        during, answers = asyncio.run(scenario())
+        answers = asyncio.run(scenario())
     finally:
         engine.shutdown()
-    assert reads == ["qv"]  # read again once, for both requests
-    assert during >= 20  # the tiny model steps hundreds of times in 0.5 s: the loop did not wait for the files
+    assert reads == ["qv"] and released == [True]  # read again once, for both requests, while the stream went on
     assert answers == [hf_greedy(merged["qv"], prompt, 5)] * 2
 
 
@@ -532,16 +534,26 @@ def test_a_request_aborted_while_its_adapter_is_read_again_never_runs(served, mo
         async for _ in engine.generate(_prompt(6, seed=74), params, request_id, RequestOptions(adapter=adapter)):
             pass
 
+    reading, release = threading.Event(), threading.Event()
+
+    def slow_read(self, name, path):
+        reading.set()
+        release.wait(timeout=60)
+        return read(self, name, path)
+
     async def scenario() -> None:
         await run("qv", "first")
         await run("all", "second")  # drops qv from memory
-        monkeypatch.setattr(Adapters, "_read", lambda self, name, path: time.sleep(0.5) or read(self, name, path))
+        monkeypatch.setattr(Adapters, "_read", slow_read)
         stream = aiter(engine.generate(_prompt(6, seed=75), params, "parked", RequestOptions(adapter="qv")))
         waiting = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.1)  # posted and parked
+        assert await asyncio.to_thread(reading.wait, 60)  # posted and parked: its adapter's read began
         waiting.cancel()
         await stream.aclose()
-        await asyncio.sleep(1.0)  # the read ends meanwhile
+        release.set()
+        deadline = time.monotonic() + 60  # the read ends, and the loop keeps what it read
+        while llm.engine.adapters.resident != ["qv"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     try:
         asyncio.run(scenario())

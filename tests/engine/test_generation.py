@@ -10,7 +10,7 @@ import torch
 
 from brisk import SamplingParams
 from brisk.engine.request import EngineRequest, RequestOptions
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 from tests.conftest import assert_no_leaks
 from tests.helpers import hf_logits
 

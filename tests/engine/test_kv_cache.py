@@ -6,7 +6,7 @@ import pytest
 
 from brisk.engine.kv_cache import KVCacheManager, KVLayout, PrefixHit
 from brisk.engine.request import Request
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 def _request(rid: str, tokens: list[int], salt: str | None = None) -> Request:

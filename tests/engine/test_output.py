@@ -15,7 +15,7 @@ from brisk.engine.output import OutputProcessor, RequestOutput
 from brisk.sample.logprobs import Logprob
 from brisk.engine.request import Request
 from brisk.model.tokenizer import Tokenizer
-from brisk.sampling_params import OutputKind, SamplingParams
+from brisk.sample.params import OutputKind, SamplingParams
 
 PIECES = ["<unk>", "</s>", "The", " cat", " S", "TO", "P", "P!!", " sat", "."]
 ID = {p: i for i, p in enumerate(PIECES)}

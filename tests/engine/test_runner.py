@@ -23,7 +23,7 @@ from brisk.engine.request import Request
 from brisk.engine.runner import ModelRunner, _sampling_rows
 from brisk.engine.scheduler import ScheduledChunk, SchedulerOutput
 from brisk.model.loader import load_model, open_checkpoint
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 from tests.conftest import build_tiny_checkpoint
 
 CPU = torch.device("cpu")

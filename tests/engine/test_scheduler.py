@@ -8,7 +8,7 @@ from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.scheduler import Scheduler, StepCost
 from brisk.engine.step_hook import VerifyPlan
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 
 def _scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, prefix=True,

@@ -12,7 +12,7 @@ from brisk.engine.kv_cache import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.scheduler import Scheduler
 from brisk.engine.waiting import FairQueue, FcfsQueue, PriorityQueue, waiting_queue
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 
 _arrivals = itertools.count()
 

@@ -165,8 +165,8 @@ def test_the_fused_decode_step_runs_a_mixed_qkv_as_layer_by_layer_does(tiny_mode
     layers one by one (quant_linear.c) multiply each part in its own format."""
     engine = LLM(tiny_model_dir, dtype="float32", quantization="int4", int8_activations=True, num_kv_blocks=128,
                  block_size=4, max_model_len=256).engine
-    model, spec = engine.model, engine.model.hparams
-    kv_rows = spec.num_kv_heads * spec.head_dim
+    model, hparams = engine.model, engine.model.hparams
+    kv_rows = hparams.num_kv_heads * hparams.head_dim
     for i, layer in enumerate(model.layers):
         dense = layer.self_attn.qkv_proj.qweight.dequantize().numpy()
         cut = dense.shape[0] - kv_rows

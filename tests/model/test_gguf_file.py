@@ -2,7 +2,7 @@
 
 Metadata must come back with exact values and types, tensors in HF orientation with exact values
 (quantized ones equal to `gguf.quants`' dequantization, and close to what was quantized), and
-the spec must carry the same per-family flags as the Hugging Face path.
+the hparams must carry the same per-family flags as the Hugging Face path.
 """
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ def test_spec_from_metadata_carries_the_family_flags_of_the_hf_path(tmp_path, ar
     name = architecture.gguf_name
     path = _write(tmp_path / "m.gguf", name, _model_fields(name),
                   tensors={"token_embd.weight": (_random(96, 64), Q.F32)})
-    spec = GGUFCheckpoint(path).hparams()
+    hparams = GGUFCheckpoint(path).hparams()
     # llama.cpp scales Gemma 3's queries by head_dim^-1/2 where the file is silent (no window here)
     gemma = {"query_pre_attn_scalar": 16} if name == "gemma3" else {}
-    assert spec == HParams(architecture=architecture.family, vocab_size=96, hidden_size=64, intermediate_size=96,
+    assert hparams == HParams(architecture=architecture.family, vocab_size=96, hidden_size=64, intermediate_size=96,
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=0.5,
                              rope_theta=50000.0, max_position_embeddings=512, tie_word_embeddings=True,
                              attention_bias=architecture.attention_bias, qk_norm=architecture.qk_norm, name="tiny",
@@ -126,7 +126,7 @@ def test_spec_from_metadata_carries_the_family_flags_of_the_hf_path(tmp_path, ar
     hf = HParams.from_hf_config({"architectures": list(architecture.hf_classes), "vocab_size": 96,
                                    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                                    "num_attention_heads": 4, "num_key_value_heads": 2})
-    assert (hf.architecture, hf.attention_bias, hf.qk_norm) == (spec.architecture, spec.attention_bias, spec.qk_norm)
+    assert (hf.architecture, hf.attention_bias, hf.qk_norm) == (hparams.architecture, hparams.attention_bias, hparams.qk_norm)
 
 
 def test_family_flags_are_those_of_the_models():

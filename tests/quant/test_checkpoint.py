@@ -14,7 +14,7 @@ from brisk import LLM
 from brisk.cli import main
 from brisk.transport.client import ModelInfo
 from brisk.model.loader import load_model, open_checkpoint
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 from tests.conftest import build_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

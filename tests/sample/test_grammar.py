@@ -13,7 +13,7 @@ import torch
 from brisk import SamplingParams
 from brisk.kernels.backend import KernelBackend, choose_backend
 from brisk.sample.grammar import GrammarCompiler, StructuredOutputs, apply_bitmask, close_objects, fill_bitmask
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -13,7 +13,7 @@ from brisk.kernels.backend import KernelBackend, choose_backend
 from brisk.sample.penalties import Penalties
 from brisk.sample.random import to_int64, uniforms
 from brisk.sample.sampler import SamplingBatch, SamplingRow, sample
-from brisk.sampling_params import SamplingError, SamplingParams
+from brisk.sample.params import SamplingError, SamplingParams
 from tests.helpers import require_c_compiler
 
 CPU = torch.device("cpu")

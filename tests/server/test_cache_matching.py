@@ -12,7 +12,7 @@ import pytest
 from brisk.cache.response_cache import ResponseCache
 from brisk.cache.sqlite_store import SQLiteStore
 from brisk.config import ResponseCacheConfig
-from brisk.sampling_params import GREEDY_TEMPERATURE
+from brisk.sample.params import GREEDY_TEMPERATURE
 from tests.server.conftest import running_server
 
 QUESTION, PARAPHRASE = "How do I cancel my order?", "How can I cancel my order?"  # cosine 0.95+, the guard agrees

@@ -15,7 +15,7 @@ import pytest
 from brisk.config import EngineConfig
 from brisk.transport.client import EngineClient, EngineDeadError
 from brisk.transport.core_process import ProcessEngine
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import metric_values
 from tests.server.conftest import running_server

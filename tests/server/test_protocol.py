@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from brisk.sampling_params import BRISK_DEFAULTS, OutputKind, SamplingError
+from brisk.sample.params import BRISK_DEFAULTS, OutputKind, SamplingError
 from brisk.server.protocol import (MAX_N, ChatCompletionRequest, CompletionRequest, GenerateBatchRequest,
                                    GenerateRequest)
 

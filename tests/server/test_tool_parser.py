@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 from brisk.server.protocol import ChatCompletionRequest
 from brisk.server.tools import CLOSE, OPEN, ToolCallParser, parse_tool_calls, template_messages, tool_grammar
 

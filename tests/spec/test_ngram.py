@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from brisk.engine.request import Request
-from brisk.sampling_params import SamplingParams
+from brisk.sample.params import SamplingParams
 from brisk.spec.ngram import NgramDrafter
 from brisk.spec.verify import accepted_path, branch, tree_depths
 

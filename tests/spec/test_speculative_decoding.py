@@ -12,7 +12,7 @@ import torch
 from brisk import LLM, SamplingParams
 from brisk.assembly import build_engine
 from brisk.config import ConfigError, EngineConfig, SpeculativeConfig
-from brisk.sampling_params import SamplingError
+from brisk.sample.params import SamplingError
 from brisk.engine.engine import LLMEngine
 from brisk.engine.request import EngineRequest, Request, RequestOptions
 from brisk.spec.draft_model import DraftModelDrafter

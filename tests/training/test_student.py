@@ -69,30 +69,30 @@ def _with_dead_width(folder: str, out: str, dead_channels: torch.Tensor, dead_ne
 
 
 def test_a_narrower_student_keeps_the_live_channels_and_neurons(tiny_model_dir, tmp_path):
-    spec = open_checkpoint(tiny_model_dir).hparams
-    if spec.family.scaled_embeddings or spec.family.hf_fused_projections:  # Gemma's scaled embeddings, Phi-3's fusions
+    hparams = open_checkpoint(tiny_model_dir).hparams
+    if hparams.family.scaled_embeddings or hparams.family.hf_fused_projections:  # Gemma's scaled embeddings, Phi-3's fusions
         model = load_model(open_checkpoint(tiny_model_dir), torch.float32, torch.device("cpu"), max_len=16)
-        with pytest.raises(ValueError, match=f"narrower {spec.architecture} student is not supported"):
-            measure_width(model, [PROMPT], spec.hidden_size // 2, spec.intermediate_size // 2)
+        with pytest.raises(ValueError, match=f"narrower {hparams.architecture} student is not supported"):
+            measure_width(model, [PROMPT], hparams.hidden_size // 2, hparams.intermediate_size // 2)
         return
     g = torch.Generator().manual_seed(0)
-    dead_channels = torch.randperm(spec.hidden_size, generator=g)[:spec.hidden_size // 2].sort().values
-    dead_neurons = [torch.randperm(spec.intermediate_size, generator=g)[:spec.intermediate_size // 3].sort().values
-                    for _ in range(spec.num_layers)]
+    dead_channels = torch.randperm(hparams.hidden_size, generator=g)[:hparams.hidden_size // 2].sort().values
+    dead_neurons = [torch.randperm(hparams.intermediate_size, generator=g)[:hparams.intermediate_size // 3].sort().values
+                    for _ in range(hparams.num_layers)]
     teacher_dir = str(tmp_path / "teacher")
     teacher_hf = _with_dead_width(tiny_model_dir, teacher_dir, dead_channels, dead_neurons)
     checkpoint = open_checkpoint(teacher_dir)
     model = load_model(checkpoint, torch.float32, torch.device("cpu"), max_len=16)
-    hidden, intermediate = spec.hidden_size - len(dead_channels), spec.intermediate_size - len(dead_neurons[0])
+    hidden, intermediate = hparams.hidden_size - len(dead_channels), hparams.intermediate_size - len(dead_neurons[0])
     width = measure_width(model, [PROMPT, PROMPT[::-1]], hidden, intermediate)
 
     def live(dead: torch.Tensor, size: int) -> list[int]:
         return sorted(set(range(size)) - set(dead.tolist()))
 
-    assert width.channels.tolist() == live(dead_channels, spec.hidden_size)
-    assert [n.tolist() for n in width.neurons] == [live(d, spec.intermediate_size) for d in dead_neurons]
+    assert width.channels.tolist() == live(dead_channels, hparams.hidden_size)
+    assert [n.tolist() for n in width.neurons] == [live(d, hparams.intermediate_size) for d in dead_neurons]
     out = str(tmp_path / "student")
-    write_student(model, list(range(spec.num_layers)), checkpoint.tokenizer, out, width)
+    write_student(model, list(range(hparams.num_layers)), checkpoint.tokenizer, out, width)
     # The norms now divide by the RMS of half the channels: only their rescaled weights make
     # this exact (without it the logits differ by a factor in every layer).
     expected = hf_logits(teacher_hf, PROMPT)

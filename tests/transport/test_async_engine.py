@@ -10,7 +10,7 @@ import pytest
 
 from brisk import SamplingParams
 from brisk.transport.async_engine import AsyncEngine
-from brisk.sampling_params import OutputKind, SamplingError
+from brisk.sample.params import OutputKind, SamplingError
 from tests.conftest import assert_no_leaks
 
 pytestmark = pytest.mark.real_model

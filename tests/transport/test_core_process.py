@@ -19,7 +19,7 @@ from brisk.config import ConfigError, EngineConfig
 from brisk.transport.async_engine import AsyncEngine
 from brisk.transport.client import EngineDeadError, QueueLoad
 from brisk.transport.core_process import ProcessEngine
-from brisk.sampling_params import OutputKind, SamplingError, SamplingParams
+from brisk.sample.params import OutputKind, SamplingError, SamplingParams
 from tests.conftest import build_tiny_checkpoint
 from tests.helpers import break_the_runner
 

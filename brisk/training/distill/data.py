@@ -6,7 +6,7 @@ in a greedy answer every token is the teacher's argmax, so next-token agreement 
 directly. A real corpus (Pride and Prejudice, which `make install` fetches) adds hundreds of
 thousands of tokens of varied English the answers alone could not cover. Both are split once, by
 seed, into what trains and what is held out for `brisk eval distill`: the corpus's last part and
-a tenth of the answers.
+as large a share of the answers (`heldout_fraction`, a twentieth by default).
 
 The teacher's targets are computed once, not each step: one no-grad forward per pack of
 sequences on the C kernels, kept as the TOP_K most likely tokens' log-probabilities at every

@@ -51,7 +51,7 @@ def with_layers(model: LlamaForCausalLM, layers: list[int]) -> LlamaForCausalLM:
     """The model with only `layers` (in order, renumbered 0..K-1), sharing its weights."""
     if not layers or sorted(set(layers)) != layers or layers[0] < 0 or layers[-1] >= model.hparams.num_layers:
         raise ValueError(f"layers must be increasing indices below {model.hparams.num_layers}, got {layers}")
-    student = copy.copy(model)  # the modules are shared; only the layer list and spec differ
+    student = copy.copy(model)  # the modules are shared; only the layer list and hparams differ
     student._modules = dict(model._modules)
     student.layers = torch.nn.ModuleList(model.layers[i] for i in layers)
     windows = model.hparams.layer_windows
@@ -83,11 +83,11 @@ def write_student(model: LlamaForCausalLM, layers: list[int], tokenizer: Tokeniz
     those layers), as a float Hugging Face folder: config.json, model.safetensors and the
     teacher's tokenizer."""
     student = with_layers(model, layers)
-    spec, weights = student.hparams, student.hf_weights()
+    hparams, weights = student.hparams, student.hf_weights()
     if width is not None:
-        spec = replace(spec, hidden_size=width.hidden, intermediate_size=width.intermediate)
+        hparams = replace(hparams, hidden_size=width.hidden, intermediate_size=width.intermediate)
         weights = narrowed(weights, width)
-    write_folder(out, spec.hf_config(), None, tokenizer, weights)
+    write_folder(out, hparams.hf_config(), None, tokenizer, weights)
 
 
 @dataclass(frozen=True)
@@ -111,20 +111,20 @@ class Width:
 def measure_width(model: LlamaForCausalLM, sequences: list[list[int]], hidden: int, intermediate: int) -> Width:
     """The `hidden` residual channels and, per layer, `intermediate` MLP neurons of `model` that
     matter most on `sequences` (see the module docstring)."""
-    spec = model.hparams
-    if not 0 < hidden <= spec.hidden_size or not 0 < intermediate <= spec.intermediate_size:
-        raise ValueError(f"a narrower student keeps 1 to {spec.hidden_size} channels and 1 to "
-                         f"{spec.intermediate_size} neurons, not {hidden} and {intermediate}")
-    if spec.family.scaled_embeddings:
-        raise ValueError(f"a narrower {spec.architecture} student is not supported: its embeddings are scaled by "
+    hparams = model.hparams
+    if not 0 < hidden <= hparams.hidden_size or not 0 < intermediate <= hparams.intermediate_size:
+        raise ValueError(f"a narrower student keeps 1 to {hparams.hidden_size} channels and 1 to "
+                         f"{hparams.intermediate_size} neurons, not {hidden} and {intermediate}")
+    if hparams.family.scaled_embeddings:
+        raise ValueError(f"a narrower {hparams.architecture} student is not supported: its embeddings are scaled by "
                          "sqrt(hidden size) and tied to the LM head, so fewer channels change every logit's scale; "
                          "keep its width and drop layers only")
-    if spec.family.hf_fused_projections:
-        raise ValueError(f"a narrower {spec.architecture} student is not supported: its checkpoints keep q/k/v and "
+    if hparams.family.hf_fused_projections:
+        raise ValueError(f"a narrower {hparams.architecture} student is not supported: its checkpoints keep q/k/v and "
                          "gate/up fused, which the narrowing does not slice; keep its width and drop layers only")
     energy: dict[str, torch.Tensor] = {}
-    importance = torch.zeros(spec.hidden_size, dtype=torch.float64)
-    activations = [torch.zeros(spec.intermediate_size, dtype=torch.float64) for _ in model.layers]
+    importance = torch.zeros(hparams.hidden_size, dtype=torch.float64)
+    activations = [torch.zeros(hparams.intermediate_size, dtype=torch.float64) for _ in model.layers]
 
     def norm_input(name: str, norm: RMSNorm):
         def hook(_, args):
@@ -152,7 +152,7 @@ def measure_width(model: LlamaForCausalLM, sequences: list[list[int]], hidden: i
         for handle in handles:
             handle.remove()
     channels = importance.topk(hidden).indices.sort().values
-    scales = {name: (e[channels].sum() / e.sum() * spec.hidden_size / hidden).sqrt().item()
+    scales = {name: (e[channels].sum() / e.sum() * hparams.hidden_size / hidden).sqrt().item()
               for name, e in energy.items()}
     return Width(channels, [a.topk(intermediate).indices.sort().values for a in activations], scales)
 

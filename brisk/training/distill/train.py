@@ -226,9 +226,9 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     if teacher.layout is not None:
         raise ConfigError(f"{teacher.path} is a `brisk quantize` folder ({teacher.layout}): distill from the float "
                           f"checkpoint it came from")
-    spec = teacher.hparams
-    for flag, wanted, has in (("layers", config.layers, spec.num_layers), ("hidden", config.hidden, spec.hidden_size),
-                              ("intermediate", config.intermediate, spec.intermediate_size)):
+    hparams = teacher.hparams
+    for flag, wanted, has in (("layers", config.layers, hparams.num_layers), ("hidden", config.hidden, hparams.hidden_size),
+                              ("intermediate", config.intermediate, hparams.intermediate_size)):
         if wanted is not None and wanted > has:
             raise ConfigError(f"--{flag} {wanted}: the teacher has {has}")
     corpus = config.data_config().corpus
@@ -245,8 +245,8 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
         width = None
         if config.hidden is not None or config.intermediate is not None:
             sample = data.sequences[::max(1, len(data.sequences) // _WIDTH_SEQUENCES)]
-            width = measure_width(with_layers(model, layers), sample, config.hidden or spec.hidden_size,
-                                  config.intermediate or spec.intermediate_size)
+            width = measure_width(with_layers(model, layers), sample, config.hidden or hparams.hidden_size,
+                                  config.intermediate or hparams.intermediate_size)
         os.makedirs(state_dir, exist_ok=True)
         data.save(data_path)
         write_student(model, layers, teacher.tokenizer, out, width)
@@ -266,14 +266,14 @@ def distill(model: str | None, out: str, config: DistillConfig, log: Callable[[s
     loop.run(trainer, config.budget_minutes, config.checkpoint_minutes,
              lambda: (trainer.save(state_path), _write_weights(student, out)), log, progress)
     return DistillReport(layers, student.hparams.hidden_size, student.hparams.intermediate_size,
-                         _parameters(student.hparams), _parameters(spec), trainer.state, data_seconds,
+                         _parameters(student.hparams), _parameters(hparams), trainer.state, data_seconds,
                          data.corpus_tokens, data.answer_tokens)
 
 
-def _parameters(spec: HParams) -> int:
+def _parameters(hparams: HParams) -> int:
     """How many weights a model of this shape has (counted on the meta device: no memory)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(spec, max_len=1, kernels=KernelBackend()).parameters())
+        return sum(p.numel() for p in LlamaForCausalLM(hparams, max_len=1, kernels=KernelBackend()).parameters())
 
 
 def _data(teacher: Checkpoint, config: DistillConfig, log, progress: bool
