@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 
 from brisk.kernels import isa
+from brisk.kernels.memory import weight_buffer
 from brisk.kernels.backend import ACTIVATIONS, KernelBackend, TargetLogprobs, wants_grad
 from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.kernels.lora import LoRABatch, LoRAUpdate, table_index
 from brisk.kernels.lora import _Batch as _LoRABatch
-from brisk.kernels.packed import (GROUP_SIZES, GROUPED_FORMATS, TILE_BLOCK_BYTES, MixedTensor, QuantizedTensor,
-                                  tile_rows, tiles_rows)
+from brisk.kernels.packed import (BLOCK, GROUP_SIZES, GROUPED_FORMATS, TILE_BLOCK_BYTES, TILE_ROWS, TILED, MixedTensor,
+                                  QuantizedTensor, tile_rows, tiles_rows)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ _SIGNATURES = {  # argument types of each kernel; the dtype suffixes (model, the
     "lora_add": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
     "read_words": [_PTR, _I64, _I64, _PTR],
     "int8_dot_peak": [_I64, _PTR, _PTR],
+    "tile_rows": [_I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR],
 }
 _DOUBLE_KERNELS = frozenset({"read_words", "int8_dot_peak"})  # limits.c's: they return seconds
 # The kernels that allocate scratch return a kernel_status (kernels/status.h, checked by _check);
@@ -76,6 +78,7 @@ _CACHE_SUFFIXES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8
 # step also saves Python's per-layer dispatch: decode steps of 12 and 16 sequences ran 2.2x and
 # 1.6x faster through it than layer by layer (AMD EPYC, AVX2, fp32; int4 1.2x), so 16.
 SMALL_BATCH_ROWS = 16
+OWN_HUGE_PAGES = 8 << 20  # a tiled weight this large gets a huge-page mapping of its own (_tile_rows)
 
 
 class KernelBuildError(RuntimeError):
@@ -377,7 +380,26 @@ def integer_layout(weight: QuantizedTensor) -> QuantizedTensor:
     quant.h), every other format as it is."""
     if isinstance(weight, MixedTensor):
         return MixedTensor.of([integer_layout(part) for part in weight.parts])
-    return tile_rows(weight) if tiles_rows(weight) else weight
+    if not tiles_rows(weight):
+        return weight
+    return _tile_rows(weight) if _compiler() is not None and weight.data.device.type == "cpu" else tile_rows(weight)
+
+
+def _tile_rows(weight: QuantizedTensor, march: str | None = None) -> QuantizedTensor:
+    """packed.tile_rows in one C pass over the weight (kernels/tiles.c), byte for byte its layout."""
+    rows, cols = weight.shape
+    tiled = TILED[weight.format]
+    tiles, blocks = -(-rows // TILE_ROWS), cols // BLOCK
+    # A large weight is written straight into huge pages of its own (move_to_huge_pages then leaves
+    # it there instead of copying it: 1.4 s of a 1.7B model's load); a small one goes with the
+    # rest into move_to_huge_pages' arena, where it wastes no part of a 2 MiB page.
+    nbytes = tiles * blocks * TILE_BLOCK_BYTES[tiled]
+    out = (weight_buffer(nbytes) if nbytes >= OWN_HUGE_PAGES else torch.empty(nbytes, dtype=torch.uint8)).view(tiles, -1)
+    data = weight.data.contiguous()
+    halves = [None if t is None else t.to(torch.float16).contiguous() for t in (weight.scales, weight.mins)]
+    _library("tiles.c", march=march).tile_rows(_FORMAT_IDS[weight.format], data.data_ptr(), *map(_ptr, halves),
+                                               rows, cols, out.data_ptr())
+    return QuantizedTensor(tiled, weight.shape, out, group_size=BLOCK)
 
 
 def _check(status: int, kernel: str) -> None:

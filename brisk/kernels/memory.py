@@ -30,6 +30,10 @@ from torch import nn
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # a cache line: every tensor starts on one, as the vector loads like
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
+# Where each weight_buffer starts: move_to_huge_pages leaves a tensor there where it is. An
+# address freed and reused by another mapping could be taken for one: that tensor would stay in
+# 4 KiB pages, nothing worse.
+_WEIGHT_BUFFERS: set[int] = set()
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
@@ -46,6 +50,14 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
+def weight_buffer(nbytes: int) -> torch.Tensor:
+    """A huge_page_buffer for a large weight written once at load (kernels/cpu.py's tiles), which
+    move_to_huge_pages then leaves where it is instead of copying it into its arena."""
+    buffer = huge_page_buffer(nbytes)
+    _WEIGHT_BUFFERS.add(buffer.untyped_storage().data_ptr())
+    return buffer
+
+
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on the CPU, in huge pages when it spans one. Written
     through once, as torch.zeros is: the memory is taken now, not page by page mid-step."""
@@ -57,7 +69,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def move_to_huge_pages(module: nn.Module) -> None:
     """Copies every CPU parameter and buffer of `module` into one huge-page mapping, each on a
-    cache line (contiguous, values unchanged). Through Module._apply, as `.to()` moves tensors:
+    cache line (contiguous, values unchanged), but those in a weight_buffer already. Through Module._apply, as `.to()` moves tensors:
     modules that cache pointers to their tensors drop them there. A tensor reached twice (tied
     weights) is copied once. The old storage is freed tensor by tensor as it is replaced, so the
     peak is the model plus its largest tensor, not two models."""
@@ -103,7 +115,7 @@ def _return_freed_heap() -> None:
 
 
 def _moves(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.numel() > 0
+    return t.device.type == "cpu" and t.numel() > 0 and t.untyped_storage().data_ptr() not in _WEIGHT_BUFFERS
 
 
 def _padded(t: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ unpacked with vectorized torch ops; the `gguf` package's numpy dequantizer was
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from functools import partial
@@ -38,7 +39,8 @@ class GGUFTensor:
     name: str
     kind: gguf.GGMLQuantizationType
     shape: tuple[int, int] | tuple[int]  # HF orientation: [rows, cols]
-    data: np.ndarray  # the raw bytes (uint8)
+    data: np.ndarray  # the raw bytes (uint8), a view of the file's mapping
+    offset: int  # where they start in the file (GGUFFile.read)
 
 
 class GGUFFile:
@@ -50,6 +52,7 @@ class GGUFFile:
     _STRING, _ARRAY = 8, 9
 
     def __init__(self, path: str):
+        self.path = path
         self._buf = np.memmap(path, dtype=np.uint8, mode="r")
         self._view = memoryview(self._buf)
         if bytes(self._view[:4]) != b"GGUF":
@@ -113,7 +116,25 @@ class GGUFFile:
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         n_elements = int(np.prod(dims))
         nbytes = n_elements // block * block_bytes
-        return GGUFTensor(name, qtype, tuple(reversed(dims)), self._buf[start:start + nbytes])
+        return GGUFTensor(name, qtype, tuple(reversed(dims)), self._buf[start:start + nbytes], start)
+
+    def read(self, tensor: GGUFTensor) -> torch.Tensor:
+        """A tensor's bytes (uint8) in memory of their own, read from the file with pread. Copying
+        them out of the mapping faulted in every 4 KiB page (2.4 s for a 1 GB file on a Zen 4,
+        page cache warm, against 0.2 s read), and left those pages counted in the process's
+        resident memory for as long as the mapping lived."""
+        out = torch.empty(tensor.data.nbytes, dtype=torch.uint8)
+        view, done = memoryview(out.numpy()), 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], tensor.offset + done)
+                if n == 0:
+                    raise ValueError(f"{self.path} ends inside tensor {tensor.name!r}")
+                done += n
+        finally:
+            os.close(fd)
+        return out
 
 
 class GGUFCheckpoint:
@@ -187,7 +208,7 @@ class GGUFCheckpoint:
             hf_name = _hf_name(name, renames)
             kind = tensor.kind.name.lower()
             if keep_blocks and kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
-                raw = torch.from_numpy(np.array(tensor.data)).view(tensor.shape[0], -1)
+                raw = self.file.read(tensor).view(tensor.shape[0], -1)
                 weight = from_gguf_blocks(kind, tensor.shape, raw).to(device)
             else:
                 weight = dequantize(tensor).to(device=device, dtype=dtype)

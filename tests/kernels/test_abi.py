@@ -27,7 +27,7 @@ require_c_compiler()
 
 SHAPE = (("BLOCK_SIZE", 16), ("HEAD_DIM", 64))  # what _shaped_library defines, for a cache of 16 x 64
 SOURCES = {"paged_attention.c": SHAPE, "decode_layers.c": SHAPE, "linear.c": (), "layer_ops.c": (),
-           "sampling.c": (), "quant_linear.c": (), "lora.c": (), "limits.c": ()}
+           "sampling.c": (), "quant_linear.c": (), "lora.c": (), "limits.c": (), "tiles.c": ()}
 STRUCTS = {cpu_kernels._Weight: "weight", cpu_kernels._Layer: "decode_layer", cpu_kernels._Model: "decode_model",
            cpu_kernels._Batch: "decode_batch", kernel_lora._Piece: "lora_piece", kernel_lora._Projection: "lora_projection",
            kernel_lora._Batch: "lora_batch"}

@@ -226,3 +226,21 @@ def test_the_gemma_files_qkv_with_v_in_q8_0_multiplies_as_one_weight(gemma):
     mixed = stack([weight for weight, _ in shards])
     assert [p.format for p in mixed.parts] == ["int5", "q8_0"]
     _check_products(mixed, torch.cat([dense for _, dense in shards]), f"blk.{layer} qkv")
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int4"])
+def test_the_c_tiler_lays_out_every_byte_as_the_torch_one(kind, march):
+    """kernels/tiles.c against packed.tile_rows, the layout's reference: 37 rows (two full tiles of
+    16 and a short one, its missing lanes zeros), random bytes so every code, bit and scale occurs."""
+    from brisk.kernels.packed import tile_rows
+
+    rows, cols = 37, 512
+    if kind == "int4":  # brisk's own int4 at group 32, float32 scales made f16 as the tiles keep them
+        weight = quantize(torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)), "int4", 32)
+    else:
+        weight = from_gguf_blocks(kind, (rows, cols), random_gguf_blocks(kind, rows, cols, seed=len(kind)))
+    expected = tile_rows(weight)
+    tiled = cpu_kernels._tile_rows(weight, march=march)
+    assert tiled.format == expected.format and tiled.shape == expected.shape
+    assert torch.equal(tiled.data, expected.data)
