@@ -34,7 +34,7 @@ from brisk.kernels.kv_cache import KVCacheLayer
 from brisk.kernels.lora import LoRABatch, LoRAUpdate, table_index
 from brisk.kernels.lora import _Batch as _LoRABatch
 from brisk.kernels.packed import (BLOCK, GROUP_SIZES, GROUPED_FORMATS, TILE_BLOCK_BYTES, TILE_ROWS, TILED, MixedTensor,
-                                  QuantizedTensor, tile_rows, tiles_rows)
+                                  QuantizedTensor, tiles_rows)
 
 log = logging.getLogger(__name__)
 
@@ -380,13 +380,13 @@ def integer_layout(weight: QuantizedTensor) -> QuantizedTensor:
     quant.h), every other format as it is."""
     if isinstance(weight, MixedTensor):
         return MixedTensor.of([integer_layout(part) for part in weight.parts])
-    if not tiles_rows(weight):
-        return weight
-    return _tile_rows(weight) if _compiler() is not None and weight.data.device.type == "cpu" else tile_rows(weight)
+    return _tile_rows(weight) if tiles_rows(weight) else weight
 
 
 def _tile_rows(weight: QuantizedTensor, march: str | None = None) -> QuantizedTensor:
     """packed.tile_rows in one C pass over the weight (kernels/tiles.c), byte for byte its layout."""
+    if weight.data.device.type != "cpu":
+        raise ValueError("the C kernels read weights in CPU memory")
     rows, cols = weight.shape
     tiled = TILED[weight.format]
     tiles, blocks = -(-rows // TILE_ROWS), cols // BLOCK

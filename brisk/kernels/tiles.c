@@ -42,6 +42,11 @@ static inline __attribute__((always_inline)) struct tile_layout layout_of(int64_
     }
 }
 
+/* Bytes of a K-quant's super-block of 256 columns (quant.h's sizes). */
+static inline int64_t k_bytes(int64_t format) {
+    return format == WEIGHT_Q4_K ? Q4_K_BYTES : format == WEIGHT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES;
+}
+
 /* Q4_K/Q5_K's 12 bytes of 6-bit fields -> block k's scale and minimum (quant.h). */
 static inline void k_scale(const uint8_t *p, int k, uint8_t *sc, uint8_t *m) {
     if (k < 4) {
@@ -54,8 +59,9 @@ static inline void k_scale(const uint8_t *p, int k, uint8_t *sc, uint8_t *m) {
 }
 
 /* One row's block b: its code bytes (words * 4) and its fields (fields * field_width bytes). */
-static inline __attribute__((always_inline)) void row_block(int64_t format, const uint8_t *codes, const uint8_t *scales, const uint8_t *mins, int64_t row,
-                      int64_t blocks, int64_t b, uint8_t *code, uint8_t *field) {
+static inline __attribute__((always_inline)) void row_block(int64_t format, const uint8_t *codes,
+                                                            const uint8_t *scales, const uint8_t *mins, int64_t row,
+                                                            int64_t blocks, int64_t b, uint8_t *code, uint8_t *field) {
     switch (format) {
         case WEIGHT_INT4:
         case WEIGHT_INT5: {
@@ -85,7 +91,7 @@ static inline __attribute__((always_inline)) void row_block(int64_t format, cons
         }
         case WEIGHT_Q4_K:
         case WEIGHT_Q5_K: {
-            const int64_t bytes = format == WEIGHT_Q4_K ? 144 : 176;
+            const int64_t bytes = k_bytes(format);
             const int k = (int)(b % 8);
             const uint8_t *super = codes + (row * (blocks / 8) + b / 8) * bytes;
             const uint8_t *qs = super + bytes - 128 + 32 * (k / 2);
@@ -104,7 +110,7 @@ static inline __attribute__((always_inline)) void row_block(int64_t format, cons
         }
         default: { /* WEIGHT_Q6_K */
             const int k = (int)(b % 8);
-            const uint8_t *super = codes + (row * (blocks / 8) + b / 8) * 210;
+            const uint8_t *super = codes + (row * (blocks / 8) + b / 8) * Q6_K_BYTES;
             const uint8_t *ql = super + 64 * (k / 4) + 32 * (k % 2), *qh = super + 128 + 32 * (k / 4);
             const int low_shift = 4 * (k / 2 % 2), high_shift = 2 * (k % 4);
             uint8_t value[QBLOCK];
@@ -150,8 +156,7 @@ static inline __attribute__((always_inline)) void tile_all(int64_t format, const
                     memcpy(fields + f * t.field_width * LANES + t.field_width * lane, field + f * t.field_width,
                            (size_t)t.field_width);
                 if (k_quant && b % 8 == 7) { /* the super-block's f16 d (and dmin), after its 8 records */
-                    const int64_t bytes = format == WEIGHT_Q4_K ? 144 : format == WEIGHT_Q5_K ? 176 : 210;
-                    const uint8_t *super = codes + (row * (blocks / 8) + b / 8) * bytes;
+                    const uint8_t *super = codes + (row * (blocks / 8) + b / 8) * k_bytes(format);
                     uint8_t *heads = dst + b / 8 * super_bytes + 8 * t.record;
                     if (format == WEIGHT_Q6_K) {
                         memcpy(heads + 2 * lane, super + 208, 2);
